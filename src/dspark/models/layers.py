@@ -1,0 +1,96 @@
+"""Small tensor functions of the decoder: RMSNorm, rotary tables, gated MLP activation."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .config import RopeSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., d]; weight already folded to (1 + w) for Gemma-style norms at load time."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def inv_frequencies(spec: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] and the cos/sin scale of one rotary variant (fp64 for accuracy)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    inv = 1.0 / (spec.theta ** exponents)
+    scale = 1.0
+    if spec.rope_type == "linear":
+        inv = inv / spec.factor
+    elif spec.rope_type == "llama3":
+        inv = _llama3_frequencies(inv, spec)
+    elif spec.rope_type == "yarn":
+        inv, scale = _yarn_frequencies(inv, spec, head_dim)
+    return inv, scale
+
+
+def _llama3_frequencies(inv: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, and the band between blended smoothly.
+    low_wavelen = spec.original_max_position / spec.low_freq_factor
+    high_wavelen = spec.original_max_position / spec.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / spec.factor, inv)
+    smooth = (spec.original_max_position / wavelen - spec.low_freq_factor) / (
+        spec.high_freq_factor - spec.low_freq_factor)
+    blended = (1 - smooth) * scaled / spec.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn_frequencies(inv: torch.Tensor, spec: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(spec.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(spec.theta))
+
+    low, high = correction_dim(spec.beta_fast), correction_dim(spec.beta_slow)
+    if spec.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # high-frequency dims keep their original frequency
+    inv = (inv / spec.factor) * (1 - extrapolation) + inv * extrapolation
+    scale = spec.attention_factor
+    if scale is None:
+        scale = 0.1 * math.log(spec.factor) + 1.0 if spec.factor > 1 else 1.0
+    return inv, float(scale)
+
+
+class RotaryTable:
+    """cos/sin rows for positions, grown on demand (a 128K-position table would cost hundreds of MB)."""
+
+    def __init__(self, spec: RopeSpec, head_dim: int, dtype: torch.dtype):
+        self.inv, self.scale = inv_frequencies(spec, head_dim)
+        self.dtype = dtype
+        self.cos = torch.empty(0, head_dim, dtype=dtype)
+        self.sin = torch.empty(0, head_dim, dtype=dtype)
+
+    def _grow(self, needed: int) -> None:
+        size = max(needed, 2 * self.cos.shape[0], 256)
+        angles = torch.outer(torch.arange(size, dtype=torch.float64), self.inv)  # [size, hd/2]
+        angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout
+        self.cos = (angles.cos() * self.scale).to(self.dtype)
+        self.sin = (angles.sin() * self.scale).to(self.dtype)
+
+    def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [N] -> cos, sin: [N, 1, hd] (broadcast over heads)."""
+        if max_position >= self.cos.shape[0]:
+            self._grow(max_position + 1)
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, hd]; rotate-half convention (the HF layout, after undoing GGUF's interleave)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def activation(name: str):
+    if name == "gelu_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    return F.silu

@@ -1,0 +1,177 @@
+"""Our own decoder forward for the Llama, Qwen3 and Gemma3 families.
+
+One call runs a *flattened* ragged batch: the new tokens of many requests laid end to end, each request a
+`Segment` (its KV cache, the position of its first new token, how many tokens). Linear layers run once over
+all N tokens (projections fused: qkv, gate+up, since per-call overhead dominates on CPU at small N);
+attention runs per segment against that request's cache. The HF classes are the reference in tests only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .layers import RotaryTable, activation, apply_rotary, rms_norm
+
+
+@dataclass
+class Segment:
+    """The new tokens of one request inside a flattened batch: positions start .. start+length-1."""
+
+    cache: KVCache
+    start: int
+    length: int
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [M, V] fp32, for the requested rows
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [N, d], before the final norm
+    final_hidden: torch.Tensor | None = None  # [M, d], after the final norm (what the LM head sees)
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2·kvH)·hd, d]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [d, H·hd]
+    ffn_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2·I, d]
+    down: torch.Tensor  # [d, I]
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # Gemma3 sandwich norms
+    post_ffn_norm: torch.Tensor | None = None
+
+
+class Transformer:
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 final_norm: torch.Tensor, lm_head: torch.Tensor):
+        self.config = config
+        self.embed = embed  # [V, d]
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head  # [V, d]; the same tensor as embed when tied
+        self.dtype = embed.dtype
+        hd = config.head_dim
+        self.rope = RotaryTable(config.rope, hd, self.dtype)
+        self.rope_local = RotaryTable(config.rope_local, hd, self.dtype) if config.rope_local else self.rope
+        self.act = activation(config.activation)
+        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=self.dtype)
+                            if config.gemma_norm else None)
+
+    # ----------------------------------------------------------------------------------------------
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype,
+                       capacity=min(capacity, c.max_position), max_capacity=c.max_position)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(tokens, self.embed)
+        return x * self.embed_scale if self.embed_scale is not None else x
+
+    def lm_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """final_hidden: [M, d] (already normed) -> fp32 logits [M, V]."""
+        logits = F.linear(final_hidden, self.lm_head).float()
+        cap = self.config.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment],
+                logit_rows: torch.Tensor | None = None, hidden_layers: Sequence[int] = (),
+                return_final_hidden: bool = False) -> ForwardOutput:
+        """tokens: [N] ids; segments cover them in order. logit_rows: [M] indices into N (None = all)."""
+        n_total = sum(s.length for s in segments)
+        if n_total != tokens.shape[0]:
+            raise ValueError(f"segments cover {n_total} tokens but {tokens.shape[0]} were given")
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])  # [N]
+        top = int(positions.max()) if n_total else 0
+        if top >= self.config.max_position:
+            raise ValueError(f"position {top} is beyond the context window of {self.config.max_position}")
+        for s in segments:
+            s.cache.begin_write(s.start, s.length)
+        rope_global = self.rope.lookup(positions, top)
+        rope_local = self.rope_local.lookup(positions, top) if self.rope_local is not self.rope else rope_global
+        wanted = set(hidden_layers)
+        hidden: dict[int, torch.Tensor] = {}
+        x = self.embed_tokens(tokens)  # [N, d]
+        for i, layer in enumerate(self.layers):
+            rope = rope_local if self.config.is_sliding(i) else rope_global
+            x = self._layer(i, layer, x, rope, segments)
+            if i in wanted:
+                hidden[i] = x
+        rows = x if logit_rows is None else x[logit_rows]
+        final = rms_norm(rows, self.final_norm, self.config.rms_eps)
+        return ForwardOutput(logits=self.lm_logits(final), hidden=hidden,
+                             final_hidden=final if return_final_hidden else None)
+
+    # ----------------------------------------------------------------------------------------------
+    def _layer(self, index: int, w: LayerWeights, x: torch.Tensor, rope, segments) -> torch.Tensor:
+        eps = self.config.rms_eps
+        h = self._attention(index, w, rms_norm(x, w.attn_norm, eps), rope, segments)
+        if w.post_attn_norm is not None:
+            h = rms_norm(h, w.post_attn_norm, eps)
+        x = x + h
+        gate, up = F.linear(rms_norm(x, w.ffn_norm, eps), w.gate_up).chunk(2, dim=-1)
+        h = F.linear(self.act(gate) * up, w.down)
+        if w.post_ffn_norm is not None:
+            h = rms_norm(h, w.post_ffn_norm, eps)
+        return x + h
+
+    def _attention(self, index: int, w: LayerWeights, x: torch.Tensor, rope, segments) -> torch.Tensor:
+        c = self.config
+        n, hd = x.shape[0], c.head_dim
+        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        q, k, v = qkv.split([c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], dim=-1)
+        q, k, v = q.view(n, c.num_heads, hd), k.view(n, c.num_kv_heads, hd), v.view(n, c.num_kv_heads, hd)
+        if w.q_norm is not None:
+            q, k = rms_norm(q, w.q_norm, c.rms_eps), rms_norm(k, w.k_norm, c.rms_eps)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        window = c.sliding_window if c.is_sliding(index) else None
+        out = torch.empty(n, c.num_heads, hd, dtype=x.dtype)  # [N, H, hd]
+        offset = 0
+        for s in segments:
+            rows = slice(offset, offset + s.length)
+            out[rows] = self._segment_attention(index, q[rows], k[rows], v[rows], s, window)
+            offset += s.length
+        return F.linear(out.view(n, c.num_heads * hd), w.o)
+
+    def _segment_attention(self, index: int, q, k, v, seg: Segment, window: int | None) -> torch.Tensor:
+        """q: [n, H, hd]; k, v: [n, kvH, hd] -> [n, H, hd], attending to this request's cache."""
+        end = seg.start + seg.length
+        seg.cache.k[index, :, seg.start:end] = k.transpose(0, 1)
+        seg.cache.v[index, :, seg.start:end] = v.transpose(0, 1)
+        # Keys older than the window can never be seen by any query of this segment: slice them off.
+        first = max(0, seg.start - window + 1) if window else 0
+        keys = seg.cache.k[index, :, first:end].unsqueeze(0)  # [1, kvH, T, hd]
+        values = seg.cache.v[index, :, first:end].unsqueeze(0)
+        mask = None
+        if seg.length > 1 or (window and end - first > window):
+            q_pos = torch.arange(seg.start, end).unsqueeze(1)  # [n, 1]
+            k_pos = torch.arange(first, end).unsqueeze(0)  # [1, T]
+            mask = k_pos <= q_pos
+            if window:
+                mask &= k_pos > q_pos - window
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+        if self.config.attn_logit_softcap:
+            o = self._softcapped_attention(qh, keys, values, mask)
+        else:
+            o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.config.query_scale,
+                                               enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+    def _softcapped_attention(self, q, k, v, mask):
+        c = self.config
+        groups = c.num_heads // c.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scale = c.query_scale or c.head_dim ** -0.5
+        scores = torch.tanh(q @ k.transpose(-1, -2) * scale / c.attn_logit_softcap) * c.attn_logit_softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(-1) @ v

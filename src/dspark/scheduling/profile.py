@@ -1,0 +1,167 @@
+"""Hardware speed profile SPS(B): forward steps per second of the target against the tokens verified per step.
+
+The prefix scheduler (policies.py) needs to know what one more verified token costs *on this machine at this
+load*: on a GPU a verify step is nearly free up to some batch size and linear after it; on the CPUs this project
+develops on it is ~flat to ~16 tokens (see DESIGN.md §3). We therefore measure a small table once, cache it on
+disk keyed by everything that changes it (model, drafter, machine, dtype), and interpolate.
+
+Conventions
+  * B = tokens in the verify forward = R anchors + sum of verification lengths (so plain decoding is B = R).
+  * ``seconds[i]`` is the wall time of one verify step over ``tokens[i]`` tokens.
+  * The optional drafting cost is a second table: seconds of one drafting step for R running requests.
+  * Between table points: piecewise-linear in *time* (time, not speed, is what grows linearly with work).
+    Below the first point: flat (a step never gets cheaper than the smallest one measured).
+    Above the last point: linear with the last segment's slope (clamped at >= 0), or flat if asked.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ProfileKey:
+    """Everything that makes a cached profile invalid when it changes."""
+
+    model_id: str
+    drafter_id: str
+    machine: str
+    dtype: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"model_id": self.model_id, "drafter_id": self.drafter_id, "machine": self.machine, "dtype": self.dtype}
+
+
+def current_machine() -> str:
+    """platform + CPU model + torch threads (+ GPU name): the things that change step times by large factors."""
+    cpu = platform.processor() or ""
+    try:  # /proc/cpuinfo names the CPU on Linux, where platform.processor() often says only "x86_64".
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    parts = [platform.platform(), cpu or "unknown-cpu"]
+    try:
+        import torch  # lazy: keeps this module importable (and fast to import) without torch.
+
+        parts.append(f"torch-threads={torch.get_num_threads()}")
+        if torch.cuda.is_available():
+            parts.append(f"cuda={torch.cuda.get_device_name(0)}")
+    except ImportError:
+        parts.append("torch-threads=?")
+    return " | ".join(parts)
+
+
+def _check_table(xs: Sequence[float], ys: Sequence[float], what: str) -> None:
+    if len(xs) != len(ys) or len(xs) == 0:
+        raise ValueError(f"{what}: need the same non-zero number of sizes and seconds, got {len(xs)} and {len(ys)}")
+    if any(int(x) != x or x < 1 for x in xs):
+        raise ValueError(f"{what}: sizes must be integers >= 1, got {list(xs)}")
+    if any(b <= a for a, b in zip(xs, xs[1:])):
+        raise ValueError(f"{what}: sizes must be strictly increasing, got {list(xs)}")
+    if any(not (np.isfinite(y) and y > 0) for y in ys):
+        raise ValueError(f"{what}: seconds must be finite and > 0, got {list(ys)}")
+
+
+def _interp(x, xs: np.ndarray, ys: np.ndarray, linear_above: bool):
+    """np.interp (flat outside) plus optional linear extrapolation above the last point; scalar in -> float out."""
+    xa = np.asarray(x, dtype=np.float64)
+    y = np.interp(xa, xs, ys)
+    if linear_above and len(xs) >= 2:
+        # Clamp the slope: a noisy table whose last segment dips must not extrapolate to negative times.
+        slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+        y = np.where(xa > xs[-1], ys[-1] + slope * (xa - xs[-1]), y)
+    return float(y) if y.ndim == 0 else y
+
+
+@dataclass(frozen=True)
+class SpeedProfile:
+    tokens: tuple[int, ...]  # [P] verified-token counts B, strictly increasing
+    seconds: tuple[float, ...]  # [P] seconds per verify step at tokens[i]
+    draft_requests: tuple[int, ...] = ()  # [D] running-request counts R (empty: drafting cost ignored)
+    draft_seconds: tuple[float, ...] = ()  # [D] seconds per drafting step at draft_requests[i]
+    extrapolate: str = "linear"  # above the last point: "linear" or "flat"
+    key: ProfileKey | None = None
+    source: str = ""  # free text: "measured", "user table <path>", "synthetic ..."
+    # Cached numpy views, so sps() on a hot path does not rebuild arrays each call.
+    _t: np.ndarray = field(init=False, repr=False, compare=False)
+    _s: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        object.__setattr__(self, "seconds", tuple(float(s) for s in self.seconds))
+        object.__setattr__(self, "draft_requests", tuple(int(t) for t in self.draft_requests))
+        object.__setattr__(self, "draft_seconds", tuple(float(s) for s in self.draft_seconds))
+        _check_table(self.tokens, self.seconds, "speed profile")
+        if self.draft_requests or self.draft_seconds:
+            _check_table(self.draft_requests, self.draft_seconds, "drafting cost table")
+        if self.extrapolate not in ("linear", "flat"):
+            raise ValueError(f"extrapolate must be 'linear' or 'flat', got {self.extrapolate!r}")
+        object.__setattr__(self, "_t", np.asarray(self.tokens, dtype=np.float64))
+        object.__setattr__(self, "_s", np.asarray(self.seconds, dtype=np.float64))
+
+    def step_s(self, n_tokens):
+        """Seconds of one verify step over B tokens; B scalar or array [n]."""
+        return _interp(n_tokens, self._t, self._s, self.extrapolate == "linear")
+
+    def draft_s(self, n_requests):
+        """Seconds of one drafting step for R requests (0 when no drafting table was given)."""
+        if not self.draft_requests:
+            return 0.0 if np.ndim(n_requests) == 0 else np.zeros(np.shape(n_requests))
+        xs = np.asarray(self.draft_requests, dtype=np.float64)
+        ys = np.asarray(self.draft_seconds, dtype=np.float64)
+        return _interp(n_requests, xs, ys, self.extrapolate == "linear")
+
+    def sps(self, n_tokens, n_requests: int | None = None):
+        """Steps per second at B tokens; with ``n_requests`` the drafting cost of that many requests is added."""
+        t = self.step_s(n_tokens)
+        if n_requests is not None:
+            t = t + self.draft_s(n_requests)
+        return 1.0 / t
+
+    __call__ = sps  # a SpeedProfile can be passed wherever an SPS callable is expected
+
+
+def measure_profile(
+    step_fn: Callable[[int], object],
+    token_counts: Iterable[int],
+    repeats: int = 5,
+    *,
+    warmup: int = 1,
+    draft_fn: Callable[[int], object] | None = None,
+    request_counts: Iterable[int] = (),
+    key: ProfileKey | None = None,
+    timer: Callable[[], float] = time.perf_counter,
+) -> SpeedProfile:
+    """Time ``step_fn(B)`` for each B (median of ``repeats`` after ``warmup`` untimed calls).
+
+    ``step_fn`` must run one complete verify step over B tokens *and wait for it* (on a GPU: synchronise), since
+    we time the call from outside. The median, not the mean, because one page fault or GC pause must not make a
+    table point look twice as slow.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+
+    def median_time(fn: Callable[[int], object], n: int) -> float:
+        for _ in range(warmup):
+            fn(n)
+        times = []
+        for _ in range(repeats):
+            t0 = timer()
+            fn(n)
+            times.append(timer() - t0)
+        return float(np.median(times))
+
+    tokens = sorted({int(b) for b in token_counts})
+    seconds = [median_time(step_fn, b) for b in tokens]
+    reqs: list[int] = sorted({int(r) for r in request_counts}) if draft_fn is not None else []
+    dsec = [median_time(draft_fn, r) for r in reqs] if draft_fn is not None else []
+    return SpeedProfile(tuple(tokens), tuple(seconds), tuple(reqs), tuple(dsec), key=key, source="measured")
