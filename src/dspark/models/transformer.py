@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .layers import RotaryTable, activation, apply_rotary, rms_norm
+from .layers import Projection, RotaryTable, activation, apply_rotary, rms_norm
 
 
 @dataclass
@@ -37,12 +37,11 @@ class ForwardOutput:
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2·kvH)·hd, d]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [d, H·hd]
+    qkv: Projection  # W: [(H + 2·kvH)·hd, d]
+    o: Projection  # W: [d, H·hd]
     ffn_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2·I, d]
-    down: torch.Tensor  # [d, I]
+    gate_up: Projection  # W: [2·I, d]
+    down: Projection  # W: [d, I]
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None  # Gemma3 sandwich norms
@@ -51,12 +50,12 @@ class LayerWeights:
 
 class Transformer:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor):
+                 final_norm: torch.Tensor, lm_head: Projection):
         self.config = config
         self.embed = embed  # [V, d]
         self.layers = layers
         self.final_norm = final_norm
-        self.lm_head = lm_head  # [V, d]; the same tensor as embed when tied
+        self.lm_head = lm_head  # W: [V, d]; the same tensor as embed when tied
         self.dtype = embed.dtype
         hd = config.head_dim
         self.rope = RotaryTable(config.rope, hd, self.dtype)
@@ -77,7 +76,7 @@ class Transformer:
 
     def lm_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
         """final_hidden: [M, d] (already normed) -> fp32 logits [M, V]."""
-        logits = F.linear(final_hidden, self.lm_head).float()
+        logits = self.lm_head(final_hidden).float()
         cap = self.config.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 
@@ -117,8 +116,8 @@ class Transformer:
         if w.post_attn_norm is not None:
             h = rms_norm(h, w.post_attn_norm, eps)
         x = x + h
-        gate, up = F.linear(rms_norm(x, w.ffn_norm, eps), w.gate_up).chunk(2, dim=-1)
-        h = F.linear(self.act(gate) * up, w.down)
+        gate, up = w.gate_up(rms_norm(x, w.ffn_norm, eps)).chunk(2, dim=-1)
+        h = w.down(self.act(gate) * up)
         if w.post_ffn_norm is not None:
             h = rms_norm(h, w.post_ffn_norm, eps)
         return x + h
@@ -126,7 +125,7 @@ class Transformer:
     def _attention(self, index: int, w: LayerWeights, x: torch.Tensor, rope, segments) -> torch.Tensor:
         c = self.config
         n, hd = x.shape[0], c.head_dim
-        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        qkv = w.qkv(x)
         q, k, v = qkv.split([c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], dim=-1)
         q, k, v = q.view(n, c.num_heads, hd), k.view(n, c.num_kv_heads, hd), v.view(n, c.num_kv_heads, hd)
         if w.q_norm is not None:
@@ -140,7 +139,7 @@ class Transformer:
             rows = slice(offset, offset + s.length)
             out[rows] = self._segment_attention(index, q[rows], k[rows], v[rows], s, window)
             offset += s.length
-        return F.linear(out.view(n, c.num_heads * hd), w.o)
+        return w.o(out.view(n, c.num_heads * hd))
 
     def _segment_attention(self, index: int, q, k, v, seg: Segment, window: int | None) -> torch.Tensor:
         """q: [n, H, hd]; k, v: [n, kvH, hd] -> [n, H, hd], attending to this request's cache."""

@@ -8,6 +8,7 @@ from typing import Mapping
 import torch
 
 from .config import ModelConfig
+from .layers import Projection
 from .transformer import LayerWeights, Transformer
 
 
@@ -51,7 +52,15 @@ def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def build_transformer(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
-                      dtype: torch.dtype = torch.float32) -> Transformer:
+                      dtype: torch.dtype = torch.float32, decode_copy: bool | None = None) -> Transformer:
+    """decode_copy: keep transposed weight copies for fast single-row decoding (default: when the
+    weights take under 2 GB, since it doubles their memory)."""
+    if decode_copy is None:
+        decode_copy = sum(t.numel() for t in tensors.values()) * torch.finfo(dtype).bits // 8 < 2 << 30
+
+    def proj(weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = 1) -> Projection:
+        return Projection(weight, bias, decode_copy=decode_copy, decode_rows=rows)
+
     def take(name: str, required: bool = True) -> torch.Tensor | None:
         t = tensors.get(name)
         if t is None and required:
@@ -75,12 +84,11 @@ def build_transformer(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
         gemma = config.gemma_norm
         layers.append(LayerWeights(
             attn_norm=norm(p + "input_layernorm.weight"),
-            qkv=torch.cat([q, k, v]).contiguous(),
-            qkv_bias=bias,
-            o=take(p + "self_attn.o_proj.weight"),
+            qkv=proj(torch.cat([q, k, v]).contiguous(), bias),
+            o=proj(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", required=False)),
             ffn_norm=norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
-            gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
-            down=take(p + "mlp.down_proj.weight"),
+            gate_up=proj(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous()),
+            down=proj(take(p + "mlp.down_proj.weight")),
             q_norm=norm(p + "self_attn.q_norm.weight") if config.qk_norm else None,
             k_norm=norm(p + "self_attn.k_norm.weight") if config.qk_norm else None,
             post_attn_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
@@ -93,4 +101,5 @@ def build_transformer(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
     head = embed if config.tie_embeddings else take("lm_head.weight", required=False)
     if head is None:
         head = embed  # some exports omit lm_head when it equals the embedding
-    return Transformer(config, embed, layers, norm("model.norm.weight"), head)
+    # The LM head's single-row advantage from the transposed copy holds up to 2 rows (measured).
+    return Transformer(config, embed, layers, norm("model.norm.weight"), proj(head, rows=2))

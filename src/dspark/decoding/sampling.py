@@ -1,0 +1,91 @@
+"""Sampling parameters and logits processing, shared by the target and every drafter.
+
+Invariant 2 of DESIGN.md: temperature, top-k and top-p are applied *identically* to target and draft logits
+before p and q are formed. Both sides therefore call `to_probs` with the same `SamplingParams`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class SamplingError(ValueError):
+    """Invalid sampling parameters."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy (one-hot argmax on both sides)
+    top_p: float = 1.0  # in (0, 1]
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 128
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature \
+                or self.temperature < 0:
+            raise SamplingError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens <= 0:
+            raise SamplingError(f"max_new_tokens must be an integer > 0, got {self.max_new_tokens!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [..., V] -> fp32 probabilities [..., V] after temperature, top-k and top-p.
+
+    Greedy gives the one-hot argmax (first index on exact ties, as torch.argmax), so greedy verification
+    is the ordinary rejection rule applied to point masses.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        probs = _top_p(probs, params.top_p)
+    return probs
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    # Keep the smallest set of most likely tokens whose mass reaches top_p (the top token always stays).
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(-1) - sorted_p  # [..., V]
+    drop_sorted = mass_before >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    kept = probs.masked_fill(drop, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling. probs: [R, V] (unnormalised ok), uniforms: [R] in [0, 1) -> tokens [R].
+
+    A token with zero mass can never be chosen: its CDF step is flat, so `searchsorted(right=True)`
+    lands on the first token whose cumulative mass exceeds the threshold.
+    """
+    cdf = probs.double().cumsum(-1)  # fp64 so the top of the CDF is not lost to rounding
+    threshold = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)  # [R, 1]
+    tokens = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A per-request generator, so one request's randomness never depends on its neighbours."""
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(int(seed))
+    return g

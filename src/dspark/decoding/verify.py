@@ -1,0 +1,114 @@
+"""Lossless verification of drafted tokens over a ragged batch (R requests, ℓ_r ≤ γ drafts each).
+
+The rule (Leviathan et al., Chen et al.): draft x_k, drawn from q_k, is kept with probability
+min(1, p_k(x_k) / q_k(x_k)); at the first rejection the replacement is drawn from normalize(max(0, p_k − q_k)).
+Together the two steps emit exactly one draw from p_k: mass the draft under-proposes is made up by the
+residual, mass it over-proposes is thinned by the acceptance test. If all ℓ drafts survive, a bonus token
+is drawn from p_{ℓ+1}, which the same verification forward already computed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import sample_from
+
+
+@dataclass
+class VerifyResult:
+    accepted: torch.Tensor  # [R] number of drafts kept
+    next_token: torch.Tensor  # [R] replacement or bonus; -1 where an accepted stop token ended the request
+    stopped: torch.Tensor  # [R] bool: an accepted draft was a stop token (nothing follows it)
+
+    def emitted(self, draft_tokens: torch.Tensor, r: int) -> list[int]:
+        """Tokens request r emits this round: the accepted drafts, then the replacement/bonus if any."""
+        out = draft_tokens[r, : int(self.accepted[r])].tolist()
+        if not bool(self.stopped[r]):
+            out.append(int(self.next_token[r]))
+        return out
+
+
+def draw_uniforms(generators: list[torch.Generator], num_draft: torch.Tensor, gamma: int) -> torch.Tensor:
+    """[R, γ+1] uniforms; request r consumes exactly ℓ_r + 1 draws of its own generator."""
+    u = torch.zeros(len(generators), gamma + 1, dtype=torch.float64)
+    for r, g in enumerate(generators):
+        n = int(num_draft[r]) + 1
+        u[r, :n] = torch.rand(n, generator=g, dtype=torch.float64)
+    return u
+
+
+def _point_mass(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.zeros(*tokens.shape, vocab).scatter_(-1, tokens.unsqueeze(-1), 1.0)
+
+
+def _stop_mask(tokens: torch.Tensor, stop_ids: torch.Tensor | None) -> torch.Tensor:
+    if stop_ids is None or stop_ids.numel() == 0:
+        return torch.zeros_like(tokens, dtype=torch.bool)
+    return torch.isin(tokens, stop_ids)
+
+
+def _leading_false(mask: torch.Tensor) -> torch.Tensor:
+    """[R, γ] bool -> [R] index of the first True (γ if none); works for γ = 0."""
+    return (~mask).long().cumprod(-1).sum(-1)
+
+
+def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+           num_draft: torch.Tensor, uniforms: torch.Tensor, stop_ids: torch.Tensor | None = None) -> VerifyResult:
+    """Stochastic verification.
+
+    draft_tokens: [R, γ]; draft_probs: [R, γ, V] fp32, the exact distributions the drafts were sampled from
+    (None = deterministic drafter, i.e. point masses); target_probs: [R, γ+1, V] processed with the same
+    SamplingParams; num_draft: [R] ℓ_r; uniforms: [R, γ+1] (slots 0..ℓ_r-1 test acceptance, slot ℓ_r — or
+    the rejecting slot — drives the replacement/bonus draw); stop_ids: [S] tokens that end a request.
+    """
+    R, gamma = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    slots = torch.arange(gamma)
+    p_x = target_probs[:, :gamma].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).double()  # [R, γ]
+    q_x = (torch.ones_like(p_x) if draft_probs is None
+           else draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).double())
+    # u < p/q written as u·q < p: exact for q = 1 and never accepts a token the target gives zero mass.
+    ok = (uniforms[:, :gamma] * q_x < p_x) & (slots < num_draft.unsqueeze(1))  # [R, γ]
+    accepted = ok.long().cumprod(-1).sum(-1)  # [R] length of the leading run of accepts
+    # Invariant 4: an accepted stop token ends the request; nothing after it, no bonus.
+    stop_hit = _stop_mask(draft_tokens, stop_ids) & (slots < accepted.unsqueeze(1))
+    stopped = stop_hit.any(-1)
+    accepted = torch.where(stopped, _leading_false(stop_hit) + 1, accepted)
+
+    rows = torch.arange(R)
+    p_next = target_probs[rows, accepted]  # [R, V]: residual base (rejected) or bonus distribution
+    rejected = accepted < num_draft
+    if rejected.any():
+        idx = accepted.clamp(max=gamma - 1)
+        q_next = (_point_mass(draft_tokens[rows, idx], vocab) if draft_probs is None
+                  else draft_probs[rows, idx])
+        residual = (p_next - q_next).clamp_(min=0)
+        # p == q leaves no residual mass; rejection then had probability 0, so fall back to p harmlessly.
+        empty = residual.sum(-1, keepdim=True) <= 0
+        residual = torch.where(empty, p_next, residual)
+        p_next = torch.where(rejected.unsqueeze(-1), residual, p_next)
+    u_next = uniforms[rows, accepted]
+    next_token = sample_from(p_next, u_next)
+    next_token = torch.where(stopped, torch.full_like(next_token, -1), next_token)
+    return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_draft: torch.Tensor,
+                  stop_ids: torch.Tensor | None = None) -> VerifyResult:
+    """Temperature-0 fast path: keep the drafts that equal the target's argmax; the next token is the argmax
+    at the first mismatch (or the bonus slot). Equal to `verify` on one-hot p and q (tested).
+
+    draft_tokens: [R, γ]; target_logits: [R, γ+1, V]; num_draft: [R].
+    """
+    R, gamma = draft_tokens.shape
+    best = target_logits.argmax(-1)  # [R, γ+1]
+    slots = torch.arange(gamma)
+    ok = (best[:, :gamma] == draft_tokens) & (slots < num_draft.unsqueeze(1))
+    accepted = ok.long().cumprod(-1).sum(-1)
+    stop_hit = _stop_mask(draft_tokens, stop_ids) & (slots < accepted.unsqueeze(1))
+    stopped = stop_hit.any(-1)
+    accepted = torch.where(stopped, _leading_false(stop_hit) + 1, accepted)
+    next_token = best[torch.arange(R), accepted]
+    next_token = torch.where(stopped, torch.full_like(next_token, -1), next_token)
+    return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)

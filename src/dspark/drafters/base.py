@@ -1,0 +1,96 @@
+"""The drafter interface and its registry.
+
+A drafter sees each request's token history (and, for model drafters, the target hidden states it asked
+for) and proposes up to γ tokens per request. It must return the exact fp32 distribution each token was
+drawn from (invariant 1), or None when it proposes deterministically (a point mass, as n-gram lookup does).
+"""
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..decoding.sampling import SamplingParams
+
+
+class DrafterError(ValueError):
+    pass
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter may look at for one request. `state` is the drafter's own per-request memory."""
+
+    tokens: list[int]  # prompt + emitted tokens; the last one is the anchor (not yet in the target cache)
+    params: SamplingParams
+    generator: torch.Generator
+    state: dict = field(default_factory=dict)
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [R, γ] long (padding beyond num_tokens is arbitrary)
+    num_tokens: torch.Tensor  # [R] how many leading tokens are real drafts
+    probs: torch.Tensor | None = None  # [R, γ, V] fp32 sampling distributions; None = point masses
+    confidences: torch.Tensor | None = None  # [R, γ] P(slot k accepted | slots < k accepted), if known
+
+
+class Drafter(ABC):
+    name: str = "?"
+    needs_layers: tuple[int, ...] = ()  # target layers whose hidden states the drafter consumes
+    has_confidence: bool = False
+
+    def __init__(self, gamma: int):
+        if gamma < 1:
+            raise DrafterError(f"block size gamma must be >= 1, got {gamma}")
+        self.gamma = gamma
+
+    @abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> Proposal:
+        """Draft up to γ tokens for every request."""
+
+    def release(self, request: DraftRequest) -> None:
+        """Free per-request resources (the default drafter keeps none)."""
+        request.state.clear()
+
+
+_REGISTRY: dict[str, Callable[..., Drafter]] = {}
+
+
+def register_drafter(name: str):
+    def wrap(factory):
+        _REGISTRY[name] = factory
+        return factory
+    return wrap
+
+
+def drafter_names() -> list[str]:
+    return ["none", *sorted(n for n in _REGISTRY if ":" not in n)]
+
+
+def make_drafter(spec: str, target=None, gamma: int | None = None, **options) -> Drafter | None:
+    """`none`, a registered name, or a directory holding a trained drafter (config.json names its type)."""
+    if spec in (None, "none", ""):
+        return None
+    if spec in _REGISTRY:
+        kwargs = dict(options) if gamma is None else {**options, "gamma": gamma}
+        return _REGISTRY[spec](target=target, **kwargs)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise DrafterError(f"unknown drafter {spec!r}: valid names are {', '.join(drafter_names())}, "
+                           f"or the path of a trained drafter directory")
+    config_file = path / "config.json" if path.is_dir() else path
+    try:
+        kind = json.loads(config_file.read_text())["drafter_type"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise DrafterError(f"{path} is not a drafter checkpoint: expected config.json with a 'drafter_type' "
+                           f"field ({type(exc).__name__}: {exc})") from None
+    loader = _REGISTRY.get(f"checkpoint:{kind}")
+    if loader is None:
+        known = [k.split(":", 1)[1] for k in _REGISTRY if k.startswith("checkpoint:")]
+        raise DrafterError(f"{path}: drafter type {kind!r} has no loader; known types: {known or 'none yet'}")
+    return loader(path=path, target=target, gamma=gamma, **options)

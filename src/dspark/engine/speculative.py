@@ -1,0 +1,161 @@
+"""The single-request speculative loop: prefill → draft → verify → accept → commit, streamed.
+
+Plain decoding is the same loop with no drafter (ℓ = 0 every round), so "speculative equals plain" compares
+two uses of one runtime, not two code paths. The batched engine builds on the same pieces.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import torch
+
+from ..decoding import SamplingParams, draw_uniforms, make_generator, to_probs, verify, verify_greedy
+from ..drafters.base import DraftRequest, Drafter
+from ..models.transformer import Segment, Transformer
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+class Target(Protocol):
+    """What the loop needs of a target model (a real Transformer, or a table model in tests)."""
+
+    max_position: int
+
+    def new_state(self): ...
+
+    def forward(self, state, start: int, tokens: list[int]) -> torch.Tensor:
+        """Run `tokens` at positions start.. (dropping anything cached at or after start) -> logits [n, V]."""
+
+    def truncate(self, state, length: int) -> None: ...
+
+
+class TransformerTarget:
+    def __init__(self, model: Transformer):
+        self.model = model
+        self.max_position = model.config.max_position
+
+    def new_state(self):
+        return self.model.new_cache()
+
+    def forward(self, state, start: int, tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor(tokens, dtype=torch.long)
+        return self.model.forward(ids, [Segment(state, start, len(tokens))]).logits
+
+    def truncate(self, state, length: int) -> None:
+        state.truncate(length)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0  # verification forwards after the prefill
+    drafted: int = 0  # draft tokens sent to verification
+    accepted: int = 0  # draft tokens kept
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    finish_reason: str = ""
+    accepted_per_round: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per verification round, the bonus/replacement token included."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "rounds": self.rounds,
+                "drafted": self.drafted, "accepted": self.accepted, "tau": round(self.tau, 4),
+                "tokens_per_s": round(self.tokens_per_s, 3), "ttft_s": round(self.ttft_s, 4),
+                "total_s": round(self.total_s, 4), "finish_reason": self.finish_reason}
+
+
+class Generation:
+    """Iterate to receive the tokens of each round as they are accepted; `stats` fills in as it runs."""
+
+    def __init__(self, target: Target, drafter: Drafter | None, prompt: list[int], params: SamplingParams,
+                 stop_ids: tuple[int, ...] = ()):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= target.max_position:
+            raise PromptTooLongError(f"prompt has {len(prompt)} tokens; the context window is "
+                                     f"{target.max_position} (at least one position must stay free)")
+        self.target, self.drafter, self.params = target, drafter, params
+        self.prompt = list(prompt)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(stop_ids))
+        self.stop_set = stops
+        self.stop_ids = torch.tensor(sorted(stops), dtype=torch.long)
+        self.generator = make_generator(params.seed)
+        self.stats = GenerationStats(prompt_tokens=len(prompt))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        t0 = time.perf_counter()
+        state = self.target.new_state()
+        request = DraftRequest(tokens=list(self.prompt), params=self.params, generator=self.generator)
+        try:
+            logits = self.target.forward(state, 0, self.prompt)[-1:]  # [1, V]
+            anchor = self._first_token(logits)
+            self.stats.ttft_s = time.perf_counter() - t0
+            yield from self._emit([anchor], request)
+            while not self.stats.finish_reason:
+                emitted = self._round(state, request)
+                yield from self._emit(emitted, request)
+        finally:
+            self.stats.total_s = time.perf_counter() - t0
+            if self.drafter is not None:
+                self.drafter.release(request)
+
+    # ----------------------------------------------------------------------------------------------
+    def _first_token(self, logits: torch.Tensor) -> int:
+        empty = torch.zeros(1, 0, dtype=torch.long)
+        return int(self._verify(empty, None, logits.unsqueeze(0), 0).next_token[0])
+
+    def _round(self, state, request: DraftRequest) -> list[int]:
+        start = len(request.tokens) - 1  # the anchor's position: everything before it is cached
+        budget = min(self.params.max_new_tokens - self.stats.new_tokens, self.target.max_position - start) - 1
+        drafts, probs, n = torch.zeros(1, 0, dtype=torch.long), None, 0
+        if self.drafter is not None and budget > 0:
+            proposal = self.drafter.propose([request])
+            n = min(int(proposal.num_tokens[0]), budget)
+            drafts = proposal.tokens[:, :n]
+            probs = None if proposal.probs is None else proposal.probs[:, :n]
+        logits = self.target.forward(state, start, [request.tokens[-1], *drafts[0].tolist()])  # [n+1, V]
+        result = self._verify(drafts, probs, logits.unsqueeze(0), n)
+        accepted = int(result.accepted[0])
+        self.target.truncate(state, start + accepted + 1)  # keep the anchor and the accepted drafts
+        self.stats.rounds += 1
+        self.stats.drafted += n
+        self.stats.accepted += accepted
+        self.stats.accepted_per_round.append(accepted)
+        return result.emitted(drafts, 0)
+
+    def _verify(self, drafts, probs, logits, n: int):
+        num = torch.tensor([n])
+        if self.params.greedy:
+            return verify_greedy(drafts, logits, num, self.stop_ids)
+        target_probs = to_probs(logits, self.params)  # [1, n+1, V]
+        uniforms = draw_uniforms([self.generator], num, n)
+        return verify(drafts, probs, target_probs, num, uniforms, self.stop_ids)
+
+    def _emit(self, tokens: list[int], request: DraftRequest) -> Iterator[list[int]]:
+        room = self.params.max_new_tokens - self.stats.new_tokens
+        chunk = tokens[:room]
+        for i, t in enumerate(chunk):
+            if t in self.stop_set:
+                chunk = chunk[: i + 1]
+                self.stats.finish_reason = "stop"
+                break
+        request.tokens.extend(chunk)
+        self.stats.new_tokens += len(chunk)
+        if not self.stats.finish_reason and (self.stats.new_tokens >= self.params.max_new_tokens
+                                             or len(request.tokens) >= self.target.max_position):
+            self.stats.finish_reason = "length"
+        if chunk:
+            yield chunk

@@ -1,0 +1,197 @@
+"""Verification-length policies: from calibrated per-slot confidences to how many drafts each request verifies.
+
+Shapes: ``c`` is [R, γ] float64 in [0, 1] (c[r, j] = calibrated P(slot j accepted | slots < j accepted), 0-based
+j); every policy returns ``lengths`` [R] int64 in 0..γ (ℓ_r: verify drafts 1..ℓ_r of request r).
+
+Exactness rule every policy here obeys (DESIGN.md invariant 3): whether slot j is verified may depend only on what
+was known before slot j's token was sampled. c[r, j] depends on the token at slot j-1, so that rule means: the
+decision about slot j may look at c[r, :j+1] (and at other requests), never at c[r, j+1:]. Each function says why
+it complies; ``sync_prefix_schedule(..., unsafe=True)`` is the one that does not, kept for the counterexample test.
+
+Visit order (shared by the sync and async schedulers): descending survival a[r, j], ties by smaller j, then smaller
+r. Because a is non-increasing along j (c <= 1 and rounding is monotone), this order always visits (r, j) after
+(r, j-1), so any prefix of the order admits a prefix of each request's drafts.
+
+SPS may be a ``SpeedProfile`` (then the drafting cost of the R running requests is included) or any callable
+B -> steps per second; callables are tried on a whole int array first and called per element if that fails.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Union
+
+import numpy as np
+
+from .profile import SpeedProfile
+
+SPS = Union[SpeedProfile, Callable[[object], object]]
+
+
+def as_confidences(c) -> np.ndarray:
+    """Validate and convert (numpy, list, or torch tensor) to float64 [R, γ] in [0, 1]."""
+    if hasattr(c, "detach"):  # torch tensor, without importing torch here
+        c = c.detach().to("cpu").double().numpy()
+    c = np.asarray(c, dtype=np.float64)
+    if c.ndim != 2:
+        raise ValueError(f"confidences must have shape [R, gamma], got shape {c.shape}")
+    if c.size and not (np.all(c >= 0.0) and np.all(c <= 1.0)):  # also rejects NaN
+        raise ValueError("confidences must lie in [0, 1] (calibrated probabilities); got values outside or NaN")
+    return c
+
+
+def survival(c) -> np.ndarray:
+    """a[r, j] = prod_{i <= j} c[r, i]: estimated probability that drafts 1..j+1 of request r are all accepted."""
+    return np.cumprod(as_confidences(c), axis=1)
+
+
+def _visit_order(a: np.ndarray) -> np.ndarray:
+    """Flat indices (j * R + r) of a [R, γ] in visit order; a stable sort of the j-major flattening gives the
+    tie-break (smaller j, then smaller r) for free."""
+    return np.argsort(-a.T.ravel(), kind="stable")
+
+
+def sps_values(sps: SPS, n_tokens: np.ndarray, n_requests: int) -> np.ndarray:
+    """SPS at each B of ``n_tokens`` [n] -> float64 [n]."""
+    if isinstance(sps, SpeedProfile):
+        return np.asarray(sps.sps(n_tokens, n_requests=n_requests), dtype=np.float64)
+    try:
+        out = np.asarray(sps(n_tokens), dtype=np.float64)
+        if out.shape == n_tokens.shape:
+            return out
+    except Exception:  # e.g. `if B < 128:` on an array; fall back to scalar calls
+        pass
+    return np.array([float(sps(int(b))) for b in n_tokens], dtype=np.float64)
+
+
+def _theta(a_sorted: np.ndarray, base: int, sps: SPS) -> np.ndarray:
+    """Θ_n = τ_n · SPS(base + n) for n = 0..N, τ_n = base + sum of the first n sorted survivals -> [N + 1].
+    The cumsum includes ``base`` as its first term so τ is summed in exactly the order a scalar loop would."""
+    tau = np.cumsum(np.concatenate(([float(base)], a_sorted)))
+    return tau * sps_values(sps, base + np.arange(a_sorted.size + 1), base)
+
+
+def _lengths(order: np.ndarray, n_admitted: int, n_requests: int) -> np.ndarray:
+    taken = order[:n_admitted]
+    r, j = taken % n_requests, taken // n_requests
+    lengths = np.bincount(r, minlength=n_requests)
+    # Prefix check: ℓ distinct slots of one request sum to ℓ(ℓ-1)/2 only if they are exactly 0..ℓ-1.
+    if not np.array_equal(np.bincount(r, weights=j, minlength=n_requests), lengths * (lengths - 1) / 2):
+        raise RuntimeError("scheduler admitted a non-prefix set of slots; survival must be non-increasing along j")
+    return lengths.astype(np.int64)
+
+
+def sync_prefix_schedule(c, sps: SPS, *, unsafe: bool = False) -> np.ndarray:
+    """Paper Algorithm 1: greedy admission in visit order while Θ = τ·SPS(B) strictly improves; stop at the first
+    item that does not improve. [R, γ] -> [R].
+
+    Why lossless: slot j of request r is admitted iff no item visited before it failed to improve Θ and it
+    improves Θ itself. Items visited before it are other requests' slots and this request's slots < j, so
+    the decision never looks at c[r, j+1:], i.e. at tokens sampled at slot j or later.
+
+    ``unsafe=True`` drops the early stop (admit the argmax-Θ prefix of the whole order): admitting slot j may then
+    hinge on c[r, j+1], a function of slot j's own token, and the output distribution is biased.
+    """
+    c = as_confidences(c)
+    n_req = c.shape[0]
+    if c.size == 0:
+        return np.zeros(n_req, dtype=np.int64)
+    a = np.cumprod(c, axis=1)
+    order = _visit_order(a)
+    theta = _theta(a.T.ravel()[order], n_req, sps)
+    if unsafe:
+        n_admitted = int(np.argmax(theta))  # first maximum: the shortest best prefix
+    else:
+        # Every kept item improved Θ, so Θ_best before item n is Θ_{n-1}: stop at the first n with Θ_n <= Θ_{n-1}.
+        stop = theta[1:] <= theta[:-1]
+        n_admitted = int(np.argmax(stop)) if stop.any() else order.size
+    return _lengths(order, n_admitted, n_req)
+
+
+def sync_prefix_schedule_unsafe_no_early_stop(c, sps: SPS) -> np.ndarray:
+    """NOT LOSSLESS — global search without the early stop; exists only to demonstrate the bias in tests."""
+    return sync_prefix_schedule(c, sps, unsafe=True)
+
+
+def async_capacity(c_old, sps: SPS, *, n_requests: int | None = None) -> int:
+    """Capacity K (total drafts to admit) from confidences of an earlier step [R_old, γ]: argmax over all prefixes
+    of the sorted survivals of Θ (no early stop, so a jagged SPS curve cannot trap the search at a local maximum).
+
+    Lossless because K is computed before the current step's tokens exist. ``n_requests`` (the current R, known
+    before drafting) sets the base of τ and B; default R_old.
+
+    Because K is known *before* drafting, K = 0 means the drafter need not run at all. So with a SpeedProfile the
+    K = 0 candidate is scored without the drafting cost (plain decoding), and K = 0 tells the engine to skip the
+    drafter: at high load this is what keeps the scheduler at or above plain decoding when drafting is not free.
+    """
+    c_old = as_confidences(c_old)
+    base = c_old.shape[0] if n_requests is None else int(n_requests)
+    if base <= 0:
+        return 0
+    a = np.cumprod(c_old, axis=1)
+    theta = _theta(a.T.ravel()[_visit_order(a)], base, sps)
+    if isinstance(sps, SpeedProfile):
+        theta[0] = base / float(sps.step_s(base))
+    return int(np.argmax(theta))
+
+
+def async_schedule(c_now, capacity: int) -> np.ndarray:
+    """Admit the ``capacity`` current candidates of highest survival (visit order) [R, γ] -> [R].
+
+    Lossless: slot j of request r is admitted iff fewer than K items precede it in visit order; those are other
+    requests' slots and this request's slots < j, so c[r, j+1:] plays no part.
+    """
+    c_now = as_confidences(c_now)
+    n_req = c_now.shape[0]
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    if c_now.size == 0:
+        return np.zeros(n_req, dtype=np.int64)
+    order = _visit_order(np.cumprod(c_now, axis=1))
+    return _lengths(order, min(int(capacity), order.size), n_req)
+
+
+def fixed_k(n_requests: int, gamma: int, k: int) -> np.ndarray:
+    """Every request verifies min(k, γ) drafts: k = 0 is plain decoding, k = 1 is 'MTP-1'. Trivially lossless."""
+    if k < 0 or n_requests < 0 or gamma < 0:
+        raise ValueError(f"need k, n_requests, gamma >= 0, got {k}, {n_requests}, {gamma}")
+    return np.full(n_requests, min(k, gamma), dtype=np.int64)
+
+
+def static_threshold(c, threshold: float, *, cumulative: bool = False) -> np.ndarray:
+    """ℓ_r = number of leading slots whose *per-slot* confidence c[r, j] >= threshold (the paper's Figure 5
+    baseline); with ``cumulative=True`` the survival a[r, j] is thresholded instead. [R, γ] -> [R].
+
+    Lossless either way: slot j is kept iff slots 0..j all pass, which reads only c[r, :j+1].
+    """
+    x = survival(c) if cumulative else as_confidences(c)
+    return np.cumprod(x >= threshold, axis=1).sum(axis=1).astype(np.int64)
+
+
+def bench_policy_latency(n_requests: int = 256, gamma: int = 7, repeats: int = 200, seed: int = 0) -> dict[str, float]:
+    """Median decision time (microseconds) of each scheduler on random confidences; prints and returns them.
+
+    Not a timed test (CI machines are too noisy for that); run it by hand: the target is < 1000 µs for 256 x 7.
+    """
+    from .simulator import gpu_like_profile  # local import: simulator imports this module
+
+    rng = np.random.default_rng(seed)
+    prof = gpu_like_profile()
+    cs = [rng.beta(4.0, 1.0, size=(n_requests, gamma)) for _ in range(repeats)]
+    cases = {
+        "sync (Alg. 1, early stop)": lambda c: sync_prefix_schedule(c, prof),
+        "async capacity K": lambda c: async_capacity(c, prof),
+        "async top-K": lambda c: async_schedule(c, 3 * n_requests),
+        "static threshold": lambda c: static_threshold(c, 0.7),
+    }
+    out = {}
+    for name, fn in cases.items():
+        fn(cs[0])  # warm-up: first calls pay for imports/allocations
+        times = []
+        for c in cs:
+            t0 = time.perf_counter()
+            fn(c)
+            times.append(time.perf_counter() - t0)
+        out[name] = float(np.median(times) * 1e6)
+        print(f"{name:28s} {n_requests}x{gamma}: median {out[name]:8.1f} us")
+    return out

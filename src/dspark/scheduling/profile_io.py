@@ -1,0 +1,163 @@
+"""Speed profiles on disk: the versioned cache the engine writes, and tables a user supplies (e.g. from a GPU).
+
+Two different failure policies, on purpose:
+  * the *cache* is ours and disposable: a missing, stale (other model/drafter/machine/dtype), old-version or
+    corrupt cache gives ``None`` (with a warning, except when simply missing) and the caller re-profiles;
+  * a *user table* is an explicit input: anything malformed raises ``ProfileFormatError`` naming the line,
+    because silently ignoring it would make the scheduler optimise for the wrong hardware.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import warnings
+from pathlib import Path
+
+from ._jsonio import FileFormatError, check_header, read_json, write_json_atomic
+from .profile import ProfileKey, SpeedProfile
+
+FORMAT = "dspark.speed_profile"
+VERSION = 1
+
+
+class ProfileFormatError(FileFormatError):
+    """A supplied or cached speed-profile file is malformed; the message names the file and line/row."""
+
+
+def profile_to_dict(p: SpeedProfile) -> dict:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "key": p.key.as_dict() if p.key else None,
+        "tokens": list(p.tokens),
+        "seconds": list(p.seconds),
+        "draft_requests": list(p.draft_requests),
+        "draft_seconds": list(p.draft_seconds),
+        "extrapolate": p.extrapolate,
+        "source": p.source,
+    }
+
+
+def profile_from_dict(obj: dict, path: str | os.PathLike = "<dict>") -> SpeedProfile:
+    check_header(obj, path, fmt=FORMAT, version=VERSION)
+    try:
+        key = ProfileKey(**obj["key"]) if obj.get("key") else None
+        return SpeedProfile(
+            tuple(obj["tokens"]),
+            tuple(obj["seconds"]),
+            tuple(obj.get("draft_requests", ())),
+            tuple(obj.get("draft_seconds", ())),
+            extrapolate=obj.get("extrapolate", "linear"),
+            key=key,
+            source=str(obj.get("source", "")),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileFormatError(f"{path}: invalid speed profile: {e}") from e
+
+
+def save_profile(p: SpeedProfile, path: str | os.PathLike) -> Path:
+    return write_json_atomic(path, profile_to_dict(p))
+
+
+def load_cached_profile(path: str | os.PathLike, key: ProfileKey) -> SpeedProfile | None:
+    """The cached profile at ``path`` if it was made for exactly ``key``; otherwise None (re-profile)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        obj = read_json(path, kind="speed profile")
+        prof = profile_from_dict(obj, path)
+    except FileFormatError as e:  # includes version mismatches: old caches are simply re-measured
+        warnings.warn(f"ignoring unusable speed-profile cache, re-profiling: {e}", stacklevel=2)
+        return None
+    if prof.key != key:
+        theirs = prof.key.as_dict() if prof.key else {}
+        diff = {k: (theirs.get(k), v) for k, v in key.as_dict().items() if theirs.get(k) != v}
+        warnings.warn(
+            f"speed profile {path} was made for a different setup (cached, wanted): {diff}; re-profiling",
+            stacklevel=2,
+        )
+        return None
+    return prof
+
+
+def _row_values(tokens_raw: object, seconds_raw: object, where: str, path: Path) -> tuple[int, float]:
+    try:
+        t = float(tokens_raw)  # type: ignore[arg-type]
+        s = float(seconds_raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ProfileFormatError(f"{path}: {where}: tokens and seconds must be numbers, got {tokens_raw!r}, {seconds_raw!r}")
+    if not (math.isfinite(t) and t == int(t) and t >= 1):
+        raise ProfileFormatError(f"{path}: {where}: tokens must be an integer >= 1, got {tokens_raw!r}")
+    if not (math.isfinite(s) and s > 0):
+        raise ProfileFormatError(f"{path}: {where}: seconds must be finite and > 0, got {seconds_raw!r}")
+    return int(t), s
+
+
+def _sorted_unique(rows: list[tuple[int, float, str]], path: Path) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    if not rows:
+        raise ProfileFormatError(f"{path}: the table has no data rows")
+    seen: dict[int, str] = {}
+    for t, _, where in rows:
+        if t in seen:
+            raise ProfileFormatError(f"{path}: {where}: tokens={t} repeats {seen[t]}")
+        seen[t] = where
+    rows = sorted(rows)
+    return tuple(r[0] for r in rows), tuple(r[1] for r in rows)
+
+
+def load_profile_table(path: str | os.PathLike, *, key: ProfileKey | None = None) -> SpeedProfile:
+    """A user-supplied table with columns ``tokens,seconds`` (seconds per verify step).
+
+    CSV: a header naming both columns (others ignored), ``#`` comments and blank lines allowed.
+    JSON: a list of ``{"tokens": B, "seconds": s}`` rows, or ``{"rows": [...]}``; with ``"draft": [{"requests": R,
+    "seconds": s}, ...]`` optionally giving the drafting cost. Rows may come in any order.
+    """
+    path = Path(path)
+    if path.suffix.lower() == ".json":
+        return _load_json_table(path, key)
+    text = path.read_text(encoding="utf-8")
+    lines = [(i + 1, ln) for i, ln in enumerate(text.splitlines()) if ln.strip() and not ln.lstrip().startswith("#")]
+    if not lines:
+        raise ProfileFormatError(f"{path}: empty table (expected a header 'tokens,seconds' and rows)")
+    header_no, header = lines[0]
+    cols = [c.strip().lower() for c in next(csv.reader(io.StringIO(header)))]
+    if "tokens" not in cols or "seconds" not in cols:
+        raise ProfileFormatError(f"{path}: line {header_no}: header must name columns 'tokens' and 'seconds', got {cols}")
+    ti, si = cols.index("tokens"), cols.index("seconds")
+    rows = []
+    for no, ln in lines[1:]:
+        cells = [c.strip() for c in next(csv.reader(io.StringIO(ln)))]
+        if len(cells) != len(cols):
+            raise ProfileFormatError(f"{path}: line {no}: expected {len(cols)} columns, got {len(cells)}: {ln!r}")
+        rows.append((*_row_values(cells[ti], cells[si], f"line {no}", path), f"line {no}"))
+    tokens, seconds = _sorted_unique(rows, path)
+    return SpeedProfile(tokens, seconds, key=key, source=f"user table {path}")
+
+
+def _load_json_table(path: Path, key: ProfileKey | None) -> SpeedProfile:
+    obj = read_json(path, kind="speed table")  # syntax errors name line and column
+    body = obj.get("rows") if isinstance(obj, dict) else obj
+    if not isinstance(body, list):
+        raise ProfileFormatError(f"{path}: expected a list of {{'tokens', 'seconds'}} rows or {{'rows': [...]}}")
+
+    def parse(items: list, a: str, label: str) -> list[tuple[int, float, str]]:
+        out = []
+        for i, row in enumerate(items):
+            where = f"{label} {i + 1} (entry [{i}])"
+            if not isinstance(row, dict) or a not in row or "seconds" not in row:
+                raise ProfileFormatError(f"{path}: {where}: expected an object with '{a}' and 'seconds', got {row!r}")
+            out.append((*_row_values(row[a], row["seconds"], where, path), where))
+        return out
+
+    tokens, seconds = _sorted_unique(parse(body, "tokens", "row"), path)
+    dreq: tuple[int, ...] = ()
+    dsec: tuple[float, ...] = ()
+    if isinstance(obj, dict) and obj.get("draft"):
+        if not isinstance(obj["draft"], list):
+            raise ProfileFormatError(f"{path}: 'draft' must be a list of {{'requests', 'seconds'}} rows")
+        dreq, dsec = _sorted_unique(parse(obj["draft"], "requests", "draft row"), path)
+    return SpeedProfile(tokens, seconds, dreq, dsec, key=key, source=f"user table {path}")

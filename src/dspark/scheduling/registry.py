@@ -1,0 +1,204 @@
+"""Policy objects with one calling convention, and the name registry the engine/CLI/simulator use.
+
+Every policy has ``prepare(n_requests) -> bool`` (call before drafting a step: should the drafter run?) and
+``select(c, *, n_requests=None, gamma=None) -> lengths [R]`` where ``c`` is [R, γ] calibrated confidences or None
+(None when the drafter did not run or has no confidence head). Policies that ignore confidences (none, mtp1, fixed) accept None as long as R and γ are
+given; the others raise ``ConfidenceRequiredError`` — e.g. for a drafter without a confidence head (DFlash,
+Eagle3, n-gram) — naming the policies that do work.
+
+Only ``AsyncPolicy`` has state (the confidences of the last ``lag`` steps); call ``reset()`` between runs.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .policies import (
+    SPS,
+    as_confidences,
+    async_capacity,
+    async_schedule,
+    fixed_k,
+    static_threshold,
+    sync_prefix_schedule,
+)
+
+
+class ConfidenceRequiredError(ValueError):
+    """A confidence-based policy was asked to run without confidences."""
+
+
+def _need_conf(name: str, c) -> np.ndarray:
+    if c is None:
+        raise ConfidenceRequiredError(
+            f"policy {name!r} needs calibrated confidences, but the drafter provides none (no confidence head); "
+            f"policies that work without confidences: {', '.join(CONFIDENCE_FREE)}"
+        )
+    return as_confidences(c)
+
+
+def _shape(c, n_requests: int | None, gamma: int | None) -> tuple[int, int]:
+    if c is not None:
+        return tuple(np.shape(c))  # type: ignore[return-value]
+    if n_requests is None or gamma is None:
+        raise ValueError("without confidences, pass n_requests and gamma")
+    return int(n_requests), int(gamma)
+
+
+@dataclass(frozen=True)
+class FixedPolicy:
+    """Verify min(k, γ) drafts per request (k = 0: no speculation, k = 1: MTP-1)."""
+
+    k: int
+    needs_confidence = False
+
+    @property
+    def name(self) -> str:
+        return {0: "none", 1: "mtp1"}.get(self.k, f"fixed-{self.k}")
+
+    @property
+    def drafts(self) -> bool:  # the simulator skips the drafting cost for plain decoding
+        return self.k > 0
+
+    def prepare(self, n_requests: int) -> bool:
+        return self.drafts
+
+    def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
+        r, g = _shape(c, n_requests, gamma)
+        return fixed_k(r, g, self.k)
+
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    """Paper Algorithm 1 (greedy with early stop); ``unsafe=True`` removes the early stop (biased output)."""
+
+    sps: SPS
+    unsafe: bool = False
+    needs_confidence = True
+    drafts = True
+
+    @property
+    def name(self) -> str:
+        return "sync-unsafe" if self.unsafe else "sync"
+
+    def prepare(self, n_requests: int) -> bool:
+        return True
+
+    def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
+        return sync_prefix_schedule(_need_conf(self.name, c), self.sps, unsafe=self.unsafe)
+
+
+@dataclass(frozen=True)
+class ThresholdPolicy:
+    """Static threshold on per-slot confidence (or on survival with ``cumulative=True``)."""
+
+    threshold: float
+    cumulative: bool = False
+    needs_confidence = True
+    drafts = True
+
+    @property
+    def name(self) -> str:
+        return f"threshold-{self.threshold:g}"
+
+    def prepare(self, n_requests: int) -> bool:
+        return True
+
+    def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
+        return static_threshold(_need_conf("threshold", c), self.threshold, cumulative=self.cumulative)
+
+
+class AsyncPolicy:
+    """Asynchronous scheduler: K from the confidences of ``lag`` drafted steps ago, then top-K of the current ones.
+
+    A production engine computes K for step t while step t-1 runs, from the last confidences it has, which are
+    step t-2's — hence lag 2. Call ``prepare(R)`` before drafting: it computes K and returns False when K = 0,
+    i.e. the drafter can be skipped this step (see ``async_capacity``); steps without drafting add nothing to
+    the history, so K then keeps coming from the last drafted steps — still lossless, since they are old.
+    For the first ``lag`` steps there is no history; rather than use the current confidences for K (that would
+    make K depend on the current tokens and break losslessness), we fall back to Algorithm 1 with early stop,
+    which is lossless on its own.
+    """
+
+    needs_confidence = True
+    drafts = True
+    name = "async"
+
+    def __init__(self, sps: SPS, lag: int = 2):
+        if lag < 1:
+            raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
+        self.sps, self.lag = sps, lag
+        self._history: deque[np.ndarray] = deque(maxlen=lag)
+        self._planned = False
+        self.last_capacity: int | None = None  # K of the current/last step (None: Algorithm 1 fallback)
+
+    def reset(self) -> None:
+        self._history.clear()
+        self._planned = False
+        self.last_capacity = None
+
+    def prepare(self, n_requests: int) -> bool:
+        """Fix K for the coming step (before drafting); returns whether the drafter should run."""
+        if len(self._history) < self.lag:
+            self.last_capacity = None
+        else:
+            self.last_capacity = async_capacity(self._history[0], self.sps, n_requests=n_requests)
+        self._planned = True
+        return self.last_capacity != 0
+
+    def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
+        if not self._planned:  # engines that never call prepare() still get the lossless behaviour
+            self.prepare(_shape(c, n_requests, gamma)[0])
+        self._planned = False
+        if self.last_capacity == 0 and c is None:  # drafter skipped: plain decoding this step
+            return np.zeros(_shape(c, n_requests, gamma)[0], dtype=np.int64)
+        c = _need_conf(self.name, c)
+        self._history.append(c.copy())  # copy: the caller may reuse its buffer next step
+        if self.last_capacity is None:
+            return sync_prefix_schedule(c, self.sps)
+        return async_schedule(c, self.last_capacity)
+
+
+def _fixed(k: int = 0) -> FixedPolicy:
+    return FixedPolicy(int(k))
+
+
+POLICIES: dict[str, tuple[Callable[..., object], bool, str]] = {
+    # name: (factory, needs confidences, one-line description)
+    "none": (lambda: FixedPolicy(0), False, "no speculation (plain decoding)"),
+    "mtp1": (lambda: FixedPolicy(1), False, "verify 1 draft per request ('MTP-1')"),
+    "fixed": (_fixed, False, "verify k drafts per request (also spelled fixed-<k>)"),
+    "sync": (SyncPolicy, True, "Algorithm 1: hardware-aware greedy prefix scheduler with early stop"),
+    "async": (AsyncPolicy, True, "asynchronous scheduler: capacity from 2 steps earlier, top-K now"),
+    "threshold": (ThresholdPolicy, True, "static per-slot confidence threshold"),
+}
+CONFIDENCE_FREE = tuple(n for n, (_, needs, _) in POLICIES.items() if not needs)
+
+
+def make_policy(name: str, *, confidence_available: bool = True, **kwargs):
+    """Build a policy by name. ``sync``/``async`` need ``sps=``; ``fixed`` takes ``k=``; ``threshold`` takes
+    ``threshold=``. ``confidence_available=False`` (drafter without a confidence head) rejects policies that need
+    confidences up front instead of at the first step."""
+    m = re.fullmatch(r"fixed-(\d+)", name)
+    if m:
+        name, kwargs = "fixed", {**kwargs, "k": int(m.group(1))}
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(POLICIES)} (and fixed-<k>)")
+    factory, needs, _ = POLICIES[name]
+    if needs and not confidence_available:
+        raise ConfidenceRequiredError(
+            f"policy {name!r} needs a drafter with a confidence head; "
+            f"policies that work without confidences: {', '.join(CONFIDENCE_FREE)}"
+        )
+    if kwargs.get("unsafe"):
+        warnings.warn("sync scheduler without early stop is NOT lossless (biased output); tests only", stacklevel=2)
+    try:
+        return factory(**kwargs)
+    except TypeError as e:
+        raise TypeError(f"bad arguments for policy {name!r}: {e}") from e

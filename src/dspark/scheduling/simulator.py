@@ -1,0 +1,177 @@
+"""Serving simulator: continuous batching under a verification policy, driven by a speed profile and traces.
+
+Each step every running request replays a random recorded round (confidences c [γ], accepted count n_acc), the
+policy picks ℓ for all of them at once, request r emits min(n_acc_r, ℓ_r) + 1 tokens, and the clock advances by
+step_s(B = R + sum ℓ) + draft_s(R), the drafting cost being skipped on steps where the policy's ``prepare``
+says the drafter need not run (plain decoding; the async scheduler at K = 0). Requests join and leave between steps,
+with no batch-size cap. Everything is seeded; policies compared with the same seed see the same round draws as
+long as their batches have the same size, which keeps comparisons between them low-noise.
+
+Reported per run (``SimResult``):
+  throughput_tps  aggregate emitted tokens / simulated seconds
+  per_user_tps    emitted tokens / request-seconds spent running (= throughput / C for a closed loop)
+  mean_budget     mean ℓ: drafts verified per request per step
+  tau             mean tokens emitted per request per step, min(n_acc, ℓ) + 1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence, Union
+
+import numpy as np
+
+from .profile import SpeedProfile
+from .registry import AsyncPolicy, FixedPolicy, SyncPolicy, ThresholdPolicy
+from .traces import AcceptanceTraces
+
+
+def gpu_like_profile(flat_until: int = 128, flat_seconds: float = 0.020, draft_seconds: float = 0.0005,
+                     draft_per_request: float = 2e-6) -> SpeedProfile:
+    """SYNTHETIC (not measured anywhere): a GPU-shaped curve — a verify step costs ``flat_seconds`` up to
+    ``flat_until`` tokens (memory-bound: weights are read once whatever the batch), then grows linearly (compute-
+    bound). Drafting costs ``draft_seconds + draft_per_request * R`` (a cheap one-pass parallel drafter)."""
+    if flat_until < 1:
+        raise ValueError(f"flat_until must be >= 1, got {flat_until}")
+    tokens = (flat_until, 32 * flat_until)  # below the first point the profile is flat by construction
+    seconds = (flat_seconds, 32 * flat_seconds)
+    reqs = (1, 1024)
+    dsec = (draft_seconds + draft_per_request, draft_seconds + 1024 * draft_per_request)
+    return SpeedProfile(tokens, seconds, reqs, dsec, source="synthetic gpu-like (flat to %d tokens, then linear)" % flat_until)
+
+
+@dataclass(frozen=True)
+class ClosedLoop:
+    """C users, each with one request in flight; a finished request is replaced at once by a new one."""
+
+    concurrency: int
+    output_tokens: int = 256
+    n_steps: int = 400
+
+
+@dataclass(frozen=True)
+class Poisson:
+    """Open loop: ``n_requests`` requests arriving as a Poisson process of ``rate`` per second."""
+
+    rate: float
+    n_requests: int = 200
+    output_tokens: int = 256
+
+
+Arrival = Union[ClosedLoop, Poisson]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    load: float  # concurrency C (closed loop) or arrival rate (Poisson)
+    throughput_tps: float
+    per_user_tps: float
+    mean_budget: float
+    tau: float
+    mean_batch_tokens: float  # mean B per step
+    steps: int
+    sim_seconds: float
+    completed: int
+
+
+def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: Arrival, *, seed: int = 0) -> SimResult:
+    """Run one simulation. ``policy`` is a registry policy object (AsyncPolicy is reset first)."""
+    if isinstance(policy, AsyncPolicy):
+        policy.reset()
+    rng = np.random.default_rng(seed)
+    gamma, out_len = traces.gamma, arrival.output_tokens
+    closed = isinstance(arrival, ClosedLoop)
+    if closed:
+        # Start in steady state: staggered remaining lengths, otherwise all C requests finish in lockstep waves.
+        remaining = rng.integers(1, out_len + 1, size=arrival.concurrency)
+        arrivals = np.empty(0)
+    else:
+        arrivals = np.cumsum(rng.exponential(1.0 / arrival.rate, size=arrival.n_requests))
+        remaining = np.empty(0, dtype=np.int64)
+    t = float(arrivals[0]) if arrivals.size else 0.0
+    t0, next_arrival = t, 0
+    tokens = steps = completed = 0
+    sum_ell = sum_emit = request_steps = sum_b = 0
+    busy = 0.0  # request-seconds spent running, for per-user speed
+    while True:
+        if not closed:
+            n_new = int(np.searchsorted(arrivals, t, side="right")) - next_arrival
+            remaining = np.concatenate([remaining, np.full(n_new, out_len, dtype=np.int64)])
+            next_arrival += n_new
+            if remaining.size == 0:
+                if next_arrival >= arrivals.size:
+                    break
+                t = float(arrivals[next_arrival])  # idle: jump to the next arrival
+                continue
+        elif steps >= arrival.n_steps:
+            break
+        n_run = remaining.size
+        # Draw rounds even when the drafter is skipped, so policies run with one seed see the same draws.
+        rounds = rng.integers(len(traces), size=n_run)
+        conf, n_acc = traces.conf[rounds], traces.n_acc[rounds]  # [R, γ], [R]
+        drafted = policy.prepare(n_run)  # decided before drafting, as an engine must
+        shown = conf if (drafted and policy.needs_confidence) else None
+        ell = policy.select(shown, n_requests=n_run, gamma=gamma)
+        emit = np.minimum(n_acc, ell) + 1  # [R]
+        b = n_run + int(ell.sum())
+        dt = float(profile.step_s(b)) + (float(profile.draft_s(n_run)) if drafted else 0.0)
+        t += dt
+        busy += n_run * dt
+        steps += 1
+        sum_ell, sum_emit, request_steps, sum_b = sum_ell + int(ell.sum()), sum_emit + int(emit.sum()), request_steps + n_run, sum_b + b
+        got = np.minimum(emit, remaining)  # a request stops at its output length mid-round
+        tokens += int(got.sum())
+        remaining = remaining - got
+        done = remaining == 0
+        completed += int(done.sum())
+        if closed:
+            remaining[done] = out_len
+        else:
+            remaining = remaining[~done]
+    span = t - t0
+    return SimResult(
+        policy=getattr(policy, "name", type(policy).__name__),
+        load=float(arrival.concurrency if closed else arrival.rate),
+        throughput_tps=tokens / span if span > 0 else 0.0,
+        per_user_tps=tokens / busy if busy > 0 else 0.0,
+        mean_budget=sum_ell / max(request_steps, 1),
+        tau=sum_emit / max(request_steps, 1),
+        mean_batch_tokens=sum_b / max(steps, 1),
+        steps=steps,
+        sim_seconds=span,
+        completed=completed,
+    )
+
+
+def default_policies(profile: SpeedProfile, gamma: int = 7, threshold: float = 0.7) -> dict[str, Callable[[], object]]:
+    """Factories (fresh objects per run) for the paper's comparison: none, MTP-1, fixed 2..γ, threshold, sync, async."""
+    pols: dict[str, Callable[[], object]] = {"none": lambda: FixedPolicy(0), "mtp1": lambda: FixedPolicy(1)}
+    for k in range(2, gamma + 1):
+        pols[f"fixed-{k}"] = lambda k=k: FixedPolicy(k)
+    pols[f"threshold-{threshold:g}"] = lambda: ThresholdPolicy(threshold)
+    pols["sync"] = lambda: SyncPolicy(profile)
+    pols["async"] = lambda: AsyncPolicy(profile)
+    return pols
+
+
+def sweep(profile: SpeedProfile, traces: AcceptanceTraces, concurrencies: Sequence[int] = (1, 8, 64, 256), *,
+          policies: Mapping[str, Callable[[], object]] | None = None, output_tokens: int = 256,
+          n_steps: int = 400, seed: int = 0) -> dict[str, dict[int, SimResult]]:
+    """Closed-loop simulation of every policy at every concurrency -> results[policy name][C]."""
+    policies = policies or default_policies(profile, traces.gamma)
+    out: dict[str, dict[int, SimResult]] = {}
+    for name, make in policies.items():
+        out[name] = {}
+        for c in concurrencies:
+            out[name][c] = simulate(profile, traces, make(), ClosedLoop(c, output_tokens, n_steps), seed=seed)
+    return out
+
+
+def format_sweep(results: Mapping[str, Mapping[int, SimResult]]) -> str:
+    """Markdown table: one row per policy and concurrency."""
+    lines = ["| policy | C | throughput tok/s | per-user tok/s | mean budget ℓ | τ |", "|---|---:|---:|---:|---:|---:|"]
+    for name, by_c in results.items():
+        for c, r in by_c.items():
+            lines.append(f"| {name} | {c} | {r.throughput_tps:.0f} | {r.per_user_tps:.1f} | {r.mean_budget:.2f} | {r.tau:.2f} |")
+    return "\n".join(lines)

@@ -1,0 +1,264 @@
+"""Policies: hand-worked cases (ties, early stop), vectorised == per-item loop reference, registry and errors."""
+
+import numpy as np
+import pytest
+
+from dspark.scheduling import (
+    CONFIDENCE_FREE,
+    AsyncPolicy,
+    ConfidenceRequiredError,
+    SpeedProfile,
+    async_capacity,
+    async_schedule,
+    fixed_k,
+    gpu_like_profile,
+    make_policy,
+    static_threshold,
+    survival,
+    sync_prefix_schedule,
+    sync_prefix_schedule_unsafe_no_early_stop,
+)
+
+
+def table_sps(table):
+    """SPS from a dict B -> steps/s; raises on arrays, so it also exercises the scalar fallback path."""
+    return lambda b: table[int(b)]
+
+
+# ---------------------------------------------------------------- reference implementations (plain loops)
+
+
+def ref_survival(c):
+    a = np.empty_like(c)
+    for r in range(c.shape[0]):
+        run = 1.0
+        for j in range(c.shape[1]):
+            run = run * c[r, j]
+            a[r, j] = run
+    return a
+
+
+def ref_sync(c, sps, early_stop=True):
+    """Algorithm 1 exactly as written in the paper, one item at a time."""
+    R, G = c.shape
+    a = ref_survival(c)
+    items = sorted((-a[r, j], j, r) for r in range(R) for j in range(G))
+    ell, B, tau = [0] * R, R, float(R)
+    best, best_ell = R * sps(R), list(ell)
+    for neg_a, j, r in items:
+        assert ell[r] == j, "visit order must reach slot j of a request right after slot j-1"
+        ell[r], B, tau = j + 1, B + 1, tau + (-neg_a)
+        theta = tau * sps(B)
+        if theta > best:
+            best, best_ell = theta, list(ell)
+        elif early_stop:
+            break
+    return np.array(best_ell)
+
+
+def ref_capacity(c, sps, base, theta0=None):
+    a = ref_survival(c)
+    vals = sorted((-a[r, j], j, r) for r in range(c.shape[0]) for j in range(c.shape[1]))
+    tau, best, k_best = float(base), base * sps(base) if theta0 is None else theta0, 0
+    for n, (neg_a, _, _) in enumerate(vals, start=1):
+        tau += -neg_a
+        theta = tau * sps(base + n)
+        if theta > best:
+            best, k_best = theta, n
+    return k_best
+
+
+def ref_topk(c, k):
+    a = ref_survival(c)
+    items = sorted((-a[r, j], j, r) for r in range(c.shape[0]) for j in range(c.shape[1]))
+    ell = np.zeros(c.shape[0], dtype=int)
+    for _, j, r in items[:k]:
+        assert ell[r] == j
+        ell[r] += 1
+    return ell
+
+
+# ---------------------------------------------------------------- hand-worked cases
+
+C2 = np.array([[0.9, 0.5], [0.8, 0.9]])  # a = [[0.9, 0.45], [0.8, 0.72]]; order (0,0) (1,0) (1,1) (0,1)
+
+
+def test_survival():
+    np.testing.assert_allclose(survival(C2), [[0.9, 0.45], [0.8, 0.72]])
+
+
+def test_sync_hand_worked_early_stop():
+    # Θ0 = 2·1 = 2; +a=0.9: 2.9·1 = 2.9 keep; +0.8: 3.7·0.9 = 3.33 keep; +0.72: 4.42·0.5 = 2.21 stop.
+    sps = table_sps({2: 1.0, 3: 1.0, 4: 0.9, 5: 0.5, 6: 0.5})
+    assert sync_prefix_schedule(C2, sps).tolist() == [1, 1]
+
+
+def test_sync_stops_at_first_non_improvement_even_if_later_is_better():
+    # Θ: 2, 2.9, 1.85 (stop here), 3.978, 2.435. Early stop gives [1, 0]; the global search would take 3 items.
+    sps = table_sps({2: 1.0, 3: 1.0, 4: 0.5, 5: 0.9, 6: 0.5})
+    assert sync_prefix_schedule(C2, sps).tolist() == [1, 0]
+    assert sync_prefix_schedule_unsafe_no_early_stop(C2, sps).tolist() == [1, 2]
+    assert async_capacity(C2, sps) == 3  # the async capacity search is global on purpose
+
+
+def test_equal_theta_is_not_an_improvement():
+    # Θ0 = 1·1 = 1; adding a = 1.0 at SPS 0.5 gives exactly 1.0: "if Θ > Θ_best" fails, stop.
+    sps = table_sps({1: 1.0, 2: 0.5, 3: 1.0})
+    assert sync_prefix_schedule(np.array([[1.0, 1.0]]), sps).tolist() == [0]
+
+
+def test_ties_smaller_slot_then_smaller_request_first():
+    c = np.array([[1.0, 1.0], [1.0, 0.5]])  # a = [[1, 1], [1, 0.5]]: three-way tie at 1.0
+    sps = table_sps({2: 1.0, 3: 1.0, 4: 1.0, 5: 0.1, 6: 0.1})
+    assert sync_prefix_schedule(c, sps).tolist() == [1, 1]  # (0,0) then (1,0), not (0,1)
+    assert async_schedule(c, 1).tolist() == [1, 0]
+    assert async_schedule(c, 2).tolist() == [1, 1]
+    assert async_schedule(c, 3).tolist() == [2, 1]
+    assert async_schedule(c, 99).tolist() == [2, 2]
+
+
+def test_async_schedule_top_k_hand_worked():
+    c_now = np.array([[0.5, 0.5], [0.99, 0.99]])  # a = [[0.5, 0.25], [0.99, 0.9801]]
+    assert async_schedule(c_now, 3).tolist() == [1, 2]
+    assert async_schedule(c_now, 0).tolist() == [0, 0]
+
+
+def test_flat_profile_verifies_everything_and_steep_profile_nothing():
+    c = np.full((4, 7), 0.8)
+    assert sync_prefix_schedule(c, lambda b: 1.0).tolist() == [7] * 4
+    assert sync_prefix_schedule(c, lambda b: 1.0 / b).tolist() == [0] * 4  # Θ = τ/B falls with every a < 1
+
+
+def test_async_capacity_skips_drafting_when_drafting_costs_more_than_it_gains():
+    # Compute-bound regime with a drafting cost: plain decoding (no drafter) beats any K.
+    prof = SpeedProfile((1, 2), (1.0, 2.0), (1, 100), (0.5, 0.5))
+    assert async_capacity(np.full((8, 3), 0.5), prof) == 0
+    # Flat verify cost: drafting pays for itself.
+    flat = SpeedProfile((1, 1000), (1.0, 1.0), (1, 100), (0.01, 0.01))
+    assert async_capacity(np.full((8, 3), 0.5), flat) == 24
+
+
+def test_fixed_and_threshold():
+    assert fixed_k(3, 7, 0).tolist() == [0, 0, 0]
+    assert fixed_k(2, 7, 1).tolist() == [1, 1]
+    assert fixed_k(2, 3, 9).tolist() == [3, 3]
+    c = np.array([[0.9, 0.8, 0.95], [0.5, 0.99, 0.99], [0.9, 0.9, 0.9]])
+    # per-slot: leading run of c >= 0.85
+    assert static_threshold(c, 0.85).tolist() == [1, 0, 3]
+    # cumulative: a = [[.9,.72,.684], [.5,...], [.9,.81,.729]]
+    assert static_threshold(c, 0.85, cumulative=True).tolist() == [1, 0, 1]
+
+
+def test_empty_and_invalid_inputs():
+    assert sync_prefix_schedule(np.zeros((0, 7)), lambda b: 1.0).tolist() == []
+    assert async_schedule(np.zeros((3, 0)), 5).tolist() == [0, 0, 0]
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        sync_prefix_schedule(np.array([[1.2, 0.5]]), lambda b: 1.0)
+    with pytest.raises(ValueError, match="shape"):
+        sync_prefix_schedule(np.array([0.5, 0.5]), lambda b: 1.0)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        survival(np.array([[np.nan]]))
+
+
+def test_torch_input_accepted():
+    torch = pytest.importorskip("torch")
+    c = torch.tensor(C2, dtype=torch.float32)
+    assert sync_prefix_schedule(c, lambda b: 1.0).tolist() == [2, 2]
+
+
+# ---------------------------------------------------------------- vectorised == reference on random inputs
+
+
+def random_case(rng):
+    R, G = int(rng.integers(1, 30)), int(rng.integers(1, 9))
+    kind = rng.integers(3)
+    if kind == 0:  # continuous
+        c = rng.beta(3, 1, size=(R, G))
+    elif kind == 1:  # heavy ties: few distinct values, exact 0s and 1s
+        c = rng.choice([0.0, 0.5, 0.9, 1.0], size=(R, G))
+    else:  # identical rows: ties across requests everywhere
+        c = np.tile(rng.choice([0.7, 1.0], size=(1, G)), (R, 1))
+    return c
+
+
+def random_sps(rng, R):
+    kind = rng.integers(3)
+    if kind == 0:
+        return gpu_like_profile(flat_until=int(rng.integers(1, 64)), draft_seconds=float(rng.uniform(0, 0.01)))
+    if kind == 1:  # jagged table (tokens up to R*(G+1) at most 270)
+        tokens = tuple(range(1, 300))
+        secs = tuple(float(s) for s in 0.01 + np.cumsum(rng.uniform(0, 0.002, size=len(tokens))) * rng.choice([0, 1], size=len(tokens)))
+        return SpeedProfile(tokens, secs)
+    knee = float(rng.uniform(1, 50))
+    return lambda b: 1.0 / max(1.0, b / knee) if np.ndim(b) == 0 else 1.0 / np.maximum(1.0, b / knee)
+
+
+def scalar_view(sps, R):
+    """What the reference loop calls: the same function, one B at a time (with R's drafting cost)."""
+    return (lambda b: sps.sps(b, n_requests=R)) if isinstance(sps, SpeedProfile) else sps
+
+
+def test_vectorised_matches_loop_reference():
+    rng = np.random.default_rng(123)
+    for _ in range(300):
+        c = random_case(rng)
+        R = c.shape[0]
+        sps = random_sps(rng, R)
+        ref = scalar_view(sps, R)
+        assert np.array_equal(sync_prefix_schedule(c, sps), ref_sync(c, ref))
+        assert np.array_equal(sync_prefix_schedule(c, sps, unsafe=True), ref_sync(c, ref, early_stop=False))
+        theta0 = R / float(sps.step_s(R)) if isinstance(sps, SpeedProfile) else None
+        assert async_capacity(c, sps) == ref_capacity(c, ref, R, theta0)
+        k = int(rng.integers(0, c.size + 2))
+        assert np.array_equal(async_schedule(c, k), ref_topk(c, k))
+        assert np.array_equal(survival(c), ref_survival(c))
+
+
+# ---------------------------------------------------------------- registry
+
+
+def test_registry_names_and_unknown_name():
+    with pytest.raises(ValueError) as e:
+        make_policy("bogus")
+    for name in ("none", "mtp1", "fixed", "sync", "async", "threshold"):
+        assert name in str(e.value)
+    assert make_policy("fixed-3").k == 3
+    assert make_policy("mtp1").select(None, n_requests=2, gamma=7).tolist() == [1, 1]
+    assert make_policy("none").prepare(5) is False
+
+
+def test_confidence_free_error_names_working_policies():
+    with pytest.raises(ConfidenceRequiredError) as e:
+        make_policy("sync", sps=lambda b: 1.0, confidence_available=False)
+    assert all(n in str(e.value) for n in ("none", "mtp1", "fixed"))
+    pol = make_policy("threshold", threshold=0.5)
+    with pytest.raises(ConfidenceRequiredError, match="none, mtp1, fixed"):
+        pol.select(None, n_requests=3, gamma=7)
+    assert set(CONFIDENCE_FREE) == {"none", "mtp1", "fixed"}
+    with pytest.raises(TypeError, match="sync"):
+        make_policy("sync")  # missing sps
+
+
+def test_unsafe_flag_warns():
+    with pytest.warns(UserWarning, match="NOT lossless"):
+        pol = make_policy("sync", sps=lambda b: 1.0, unsafe=True)
+    assert pol.name == "sync-unsafe"
+
+
+def test_async_policy_uses_confidences_from_two_steps_earlier():
+    prof = gpu_like_profile()
+    pol = AsyncPolicy(prof)
+    rng = np.random.default_rng(0)
+    cs = [rng.beta(4, 1, size=(64, 7)) for _ in range(5)]
+    for t, c in enumerate(cs):
+        assert pol.prepare(64) is True
+        ell = pol.select(c)
+        if t < 2:  # no history: lossless fallback to Algorithm 1 on the current step
+            assert pol.last_capacity is None
+            assert np.array_equal(ell, sync_prefix_schedule(c, prof))
+        else:
+            k = async_capacity(cs[t - 2], prof, n_requests=64)
+            assert pol.last_capacity == k
+            assert np.array_equal(ell, async_schedule(c, k))
+    pol.reset()
+    assert pol.prepare(64) and pol.last_capacity is None
