@@ -59,8 +59,8 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
 
     draft_tokens: [R, γ]; draft_probs: [R, γ, V] fp32, the exact distributions the drafts were sampled from
     (None = deterministic drafter, i.e. point masses); target_probs: [R, γ+1, V] processed with the same
-    SamplingParams; num_draft: [R] ℓ_r; uniforms: [R, γ+1] (slots 0..ℓ_r-1 test acceptance, slot ℓ_r — or
-    the rejecting slot — drives the replacement/bonus draw); stop_ids: [S] tokens that end a request.
+    SamplingParams; num_draft: [R] ℓ_r; uniforms: [R, γ+1] (slots 0..ℓ_r-1 test acceptance, slot ℓ_r
+    drives the replacement or bonus draw); stop_ids: [S] tokens that end a request.
     """
     R, gamma = draft_tokens.shape
     vocab = target_probs.shape[-1]
@@ -88,7 +88,9 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
         empty = residual.sum(-1, keepdim=True) <= 0
         residual = torch.where(empty, p_next, residual)
         p_next = torch.where(rejected.unsqueeze(-1), residual, p_next)
-    u_next = uniforms[rows, accepted]
+    # Slot ℓ_r is never used by an acceptance test. Reusing the rejecting slot's uniform would be a bug:
+    # a rejection means that uniform was large, which would skew the replacement toward late CDF tokens.
+    u_next = uniforms[rows, num_draft]
     next_token = sample_from(p_next, u_next)
     next_token = torch.where(stopped, torch.full_like(next_token, -1), next_token)
     return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)

@@ -42,24 +42,25 @@ def write_json_atomic(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
     return path
 
 
-def read_json(path: str | os.PathLike, *, kind: str) -> Any:
+def read_json(path: str | os.PathLike, *, kind: str, error: type[FileFormatError] = FileFormatError) -> Any:
     """Parse JSON, turning syntax errors into FileFormatError that names the file, line and column."""
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise FileFormatError(f"{path}: not a valid {kind} JSON file (line {e.lineno}, column {e.colno}: {e.msg})") from e
+        raise error(f"{path}: not a valid {kind} JSON file (line {e.lineno}, column {e.colno}: {e.msg})") from e
 
 
-def check_header(obj: Any, path: str | os.PathLike, *, fmt: str, version: int) -> None:
-    """Validate the ``format``/``version`` header every file of ours starts with."""
+def check_header(obj: Any, path: str | os.PathLike, *, fmt: str, version: int,
+                 error: type[FileFormatError] = FileFormatError) -> None:
+    """Validate the ``format``/``version`` header every file of ours starts with (raising ``error``)."""
     if not isinstance(obj, dict):
-        raise FileFormatError(f"{path}: expected a JSON object at top level, got {type(obj).__name__}")
+        raise error(f"{path}: expected a JSON object at top level, got {type(obj).__name__}")
     if obj.get("format") != fmt:
-        raise FileFormatError(f"{path}: 'format' is {obj.get('format')!r}, expected {fmt!r}")
+        raise error(f"{path}: 'format' is {obj.get('format')!r}, expected {fmt!r}")
     if obj.get("version") != version:
-        raise FileFormatError(f"{path}: {fmt} version {obj.get('version')!r} is not supported (this build reads {version})")
+        raise error(f"{path}: {fmt} version {obj.get('version')!r} is not supported (this build reads {version})")
 
 
 def finite_or_none(x: float) -> float | None:

@@ -103,18 +103,20 @@ class Calibration:
 
     @staticmethod
     def from_dict(obj: dict, path: str | os.PathLike = "<dict>") -> "Calibration":
-        check_header(obj, path, fmt=FORMAT, version=VERSION)
+        check_header(obj, path, fmt=FORMAT, version=VERSION, error=CalibrationFormatError)
         temps = obj.get("temperatures")
         if not isinstance(temps, list) or not temps or not all(
             isinstance(t, (int, float)) and not isinstance(t, bool) and np.isfinite(t) and t > 0 for t in temps
         ):
-            raise CalibrationFormatError(f"{path}: 'temperatures' must be a non-empty list of positive numbers, got {temps!r}")
+            raise CalibrationFormatError(
+                f"{path}: 'temperatures' must be a non-empty list of positive numbers, got {temps!r}")
         metrics = obj.get("metrics", {"before": [], "after": []})
 
         def rows(name: str) -> tuple[PositionMetrics, ...]:
             items = metrics.get(name, []) if isinstance(metrics, dict) else None
             if not isinstance(items, list) or (items and len(items) != len(temps)):
-                raise CalibrationFormatError(f"{path}: 'metrics.{name}' must be a list with one entry per position ({len(temps)})")
+                raise CalibrationFormatError(
+                    f"{path}: 'metrics.{name}' must be a list with one entry per position ({len(temps)})")
             try:
                 return tuple(PositionMetrics(none_to_nan(m["ece"]), none_to_nan(m["auc"]), none_to_nan(m["brier"]),
                                              none_to_nan(m["positive_rate"]), int(m["n"])) for m in items)
@@ -128,7 +130,7 @@ class Calibration:
 
     @staticmethod
     def load(path: str | os.PathLike) -> "Calibration":
-        return Calibration.from_dict(read_json(path, kind="calibration"), path)
+        return Calibration.from_dict(read_json(path, kind="calibration", error=CalibrationFormatError), path)
 
 
 def _best_temperature(prev: np.ndarray, logit: np.ndarray, y: np.ndarray, n_bins: int) -> float:

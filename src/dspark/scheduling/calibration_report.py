@@ -6,12 +6,13 @@ only needs ``Calibration.apply``) never touches plotting code.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from ._jsonio import finite_or_none, write_json_atomic
 from .calibration import Calibration, prefix_events
 from .metrics import reliability_bins
 from .policies import static_threshold
@@ -25,7 +26,8 @@ class ThresholdPoint:
     tau: float  # mean tokens emitted per request-step = mean(min(n_acc, ℓ)) + 1
 
 
-def threshold_sweep(conf, n_acc, thresholds: Sequence[float] | None = None, *, cumulative: bool = False) -> list[ThresholdPoint]:
+def threshold_sweep(conf, n_acc, thresholds: Sequence[float] | None = None, *,
+                    cumulative: bool = False) -> list[ThresholdPoint]:
     """For each threshold, what the static per-slot threshold policy would verify and accept on recorded rounds.
 
     ``conf`` [N, γ] calibrated per-slot confidences, ``n_acc`` [N] accepted drafts when the full block was
@@ -83,7 +85,7 @@ def write_reliability_diagram(cal: Calibration, logits, n_acc, path: str | os.Pa
         ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--")
         for pred, label, color in ((raw[:, k], "raw", "tab:red"), (fitted[:, k], "STS", "tab:blue")):
             mp, fr, cnt = reliability_bins(pred, y[:, k], cal.n_bins)
-            keep = cnt > 0
+            keep = cnt >= 20  # a bin of a handful of rounds is noise, not miscalibration; don't draw it
             ax.plot(mp[keep], fr[keep], marker="o", ms=3, color=color, label=label)
         ax.set_title(f"position {k + 1} (T={cal.temperatures[k]:.2f})", fontsize=9)
         ax.set_xlim(0, 1)
@@ -101,3 +103,23 @@ def write_reliability_diagram(cal: Calibration, logits, n_acc, path: str | os.Pa
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
+
+
+def write_calibration_report(cal: Calibration, logits, n_acc, out_dir: str | os.PathLike, *,
+                             thresholds: Sequence[float] | None = None) -> dict[str, Path]:
+    """Everything ``dspark calibrate`` reports, in ``out_dir``: calibration.json, calibration_metrics.md,
+    threshold_sweep.json (Figure 5, on the calibrated confidences of these rounds) and reliability.png
+    (skipped, with no error, when matplotlib is not installed). Returns name -> path."""
+    out = Path(out_dir)
+    paths = {"calibration": cal.save(out / "calibration.json")}
+    md = out / "calibration_metrics.md"
+    md.write_text(metrics_table(cal) + "\n", encoding="utf-8")
+    paths["metrics"] = md
+    sweep = threshold_sweep(cal.apply(np.asarray(logits, dtype=np.float64)), n_acc, thresholds)
+    rows = [{k: finite_or_none(v) for k, v in asdict(p).items()} for p in sweep]
+    paths["threshold_sweep"] = write_json_atomic(out / "threshold_sweep.json", {"points": rows})
+    try:
+        paths["reliability"] = write_reliability_diagram(cal, logits, n_acc, out / "reliability.png")
+    except ImportError:
+        pass
+    return paths

@@ -59,6 +59,8 @@ def sps_values(sps: SPS, n_tokens: np.ndarray, n_requests: int) -> np.ndarray:
         out = np.asarray(sps(n_tokens), dtype=np.float64)
         if out.shape == n_tokens.shape:
             return out
+        if out.ndim == 0:  # a constant SPS answered for the whole array at once
+            return np.full(n_tokens.shape, float(out))
     except Exception:  # e.g. `if B < 128:` on an array; fall back to scalar calls
         pass
     return np.array([float(sps(int(b))) for b in n_tokens], dtype=np.float64)
@@ -173,7 +175,8 @@ def bench_policy_latency(n_requests: int = 256, gamma: int = 7, repeats: int = 2
 
     Not a timed test (CI machines are too noisy for that); run it by hand: the target is < 1000 µs for 256 x 7.
     """
-    from .simulator import gpu_like_profile  # local import: simulator imports this module
+    from .registry import AsyncPolicy  # local imports: both modules import this one
+    from .simulator import gpu_like_profile
 
     rng = np.random.default_rng(seed)
     prof = gpu_like_profile()
@@ -183,6 +186,7 @@ def bench_policy_latency(n_requests: int = 256, gamma: int = 7, repeats: int = 2
         "async capacity K": lambda c: async_capacity(c, prof),
         "async top-K": lambda c: async_schedule(c, 3 * n_requests),
         "static threshold": lambda c: static_threshold(c, 0.7),
+        "AsyncPolicy prepare+select": lambda c, pol=AsyncPolicy(prof): (pol.prepare(n_requests), pol.select(c)),
     }
     out = {}
     for name, fn in cases.items():

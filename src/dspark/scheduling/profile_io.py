@@ -15,6 +15,7 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import Callable
 
 from ._jsonio import FileFormatError, check_header, read_json, write_json_atomic
 from .profile import ProfileKey, SpeedProfile
@@ -42,7 +43,7 @@ def profile_to_dict(p: SpeedProfile) -> dict:
 
 
 def profile_from_dict(obj: dict, path: str | os.PathLike = "<dict>") -> SpeedProfile:
-    check_header(obj, path, fmt=FORMAT, version=VERSION)
+    check_header(obj, path, fmt=FORMAT, version=VERSION, error=ProfileFormatError)
     try:
         key = ProfileKey(**obj["key"]) if obj.get("key") else None
         return SpeedProfile(
@@ -68,7 +69,7 @@ def load_cached_profile(path: str | os.PathLike, key: ProfileKey) -> SpeedProfil
     if not path.exists():
         return None
     try:
-        obj = read_json(path, kind="speed profile")
+        obj = read_json(path, kind="speed profile", error=ProfileFormatError)
         prof = profile_from_dict(obj, path)
     except FileFormatError as e:  # includes version mismatches: old caches are simply re-measured
         warnings.warn(f"ignoring unusable speed-profile cache, re-profiling: {e}", stacklevel=2)
@@ -84,12 +85,24 @@ def load_cached_profile(path: str | os.PathLike, key: ProfileKey) -> SpeedProfil
     return prof
 
 
+def load_or_measure(path: str | os.PathLike, key: ProfileKey, measure: Callable[[], SpeedProfile]) -> SpeedProfile:
+    """What an engine does at start: the cached profile for ``key`` if there is one, else ``measure()`` it (e.g.
+    ``lambda: measure_profile(step_fn, counts)``), stamp it with ``key`` and cache it for next time."""
+    prof = load_cached_profile(path, key)
+    if prof is None:
+        m = measure()
+        prof = SpeedProfile(m.tokens, m.seconds, m.draft_requests, m.draft_seconds, m.extrapolate, key, m.source)
+        save_profile(prof, path)
+    return prof
+
+
 def _row_values(tokens_raw: object, seconds_raw: object, where: str, path: Path) -> tuple[int, float]:
     try:
         t = float(tokens_raw)  # type: ignore[arg-type]
         s = float(seconds_raw)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise ProfileFormatError(f"{path}: {where}: tokens and seconds must be numbers, got {tokens_raw!r}, {seconds_raw!r}")
+        raise ProfileFormatError(
+            f"{path}: {where}: tokens and seconds must be numbers, got {tokens_raw!r}, {seconds_raw!r}")
     if not (math.isfinite(t) and t == int(t) and t >= 1):
         raise ProfileFormatError(f"{path}: {where}: tokens must be an integer >= 1, got {tokens_raw!r}")
     if not (math.isfinite(s) and s > 0):
@@ -126,7 +139,8 @@ def load_profile_table(path: str | os.PathLike, *, key: ProfileKey | None = None
     header_no, header = lines[0]
     cols = [c.strip().lower() for c in next(csv.reader(io.StringIO(header)))]
     if "tokens" not in cols or "seconds" not in cols:
-        raise ProfileFormatError(f"{path}: line {header_no}: header must name columns 'tokens' and 'seconds', got {cols}")
+        raise ProfileFormatError(
+            f"{path}: line {header_no}: header must name columns 'tokens' and 'seconds', got {cols}")
     ti, si = cols.index("tokens"), cols.index("seconds")
     rows = []
     for no, ln in lines[1:]:
@@ -139,7 +153,7 @@ def load_profile_table(path: str | os.PathLike, *, key: ProfileKey | None = None
 
 
 def _load_json_table(path: Path, key: ProfileKey | None) -> SpeedProfile:
-    obj = read_json(path, kind="speed table")  # syntax errors name line and column
+    obj = read_json(path, kind="speed table", error=ProfileFormatError)  # syntax errors name line and column
     body = obj.get("rows") if isinstance(obj, dict) else obj
     if not isinstance(body, list):
         raise ProfileFormatError(f"{path}: expected a list of {{'tokens', 'seconds'}} rows or {{'rows': [...]}}")

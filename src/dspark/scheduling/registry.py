@@ -1,10 +1,10 @@
 """Policy objects with one calling convention, and the name registry the engine/CLI/simulator use.
 
 Every policy has ``prepare(n_requests) -> bool`` (call before drafting a step: should the drafter run?) and
-``select(c, *, n_requests=None, gamma=None) -> lengths [R]`` where ``c`` is [R, γ] calibrated confidences or None
-(None when the drafter did not run or has no confidence head). Policies that ignore confidences (none, mtp1, fixed) accept None as long as R and γ are
-given; the others raise ``ConfidenceRequiredError`` — e.g. for a drafter without a confidence head (DFlash,
-Eagle3, n-gram) — naming the policies that do work.
+``select(c, *, n_requests=None, gamma=None) -> lengths [R]`` where ``c`` is [R, γ] calibrated confidences, or
+None when the drafter did not run or has no confidence head. Policies that ignore confidences (none, mtp1,
+fixed) accept None as long as R and γ are given; the others raise ``ConfidenceRequiredError`` — e.g. for a
+drafter without a confidence head (DFlash, Eagle3, n-gram) — naming the policies that do work.
 
 Only ``AsyncPolicy`` has state (the confidences of the last ``lag`` steps); call ``reset()`` between runs.
 """
@@ -63,7 +63,7 @@ class FixedPolicy:
         return {0: "none", 1: "mtp1"}.get(self.k, f"fixed-{self.k}")
 
     @property
-    def drafts(self) -> bool:  # the simulator skips the drafting cost for plain decoding
+    def drafts(self) -> bool:  # plain decoding never runs the drafter (and never pays for it)
         return self.k > 0
 
     def prepare(self, n_requests: int) -> bool:
@@ -153,11 +153,14 @@ class AsyncPolicy:
         return self.last_capacity != 0
 
     def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
+        n_req = np.shape(c)[0] if c is not None else n_requests
+        if n_req is None:
+            raise ValueError("without confidences, pass n_requests")
         if not self._planned:  # engines that never call prepare() still get the lossless behaviour
-            self.prepare(_shape(c, n_requests, gamma)[0])
+            self.prepare(int(n_req))
         self._planned = False
         if self.last_capacity == 0 and c is None:  # drafter skipped: plain decoding this step
-            return np.zeros(_shape(c, n_requests, gamma)[0], dtype=np.int64)
+            return np.zeros(int(n_req), dtype=np.int64)
         c = _need_conf(self.name, c)
         self._history.append(c.copy())  # copy: the caller may reuse its buffer next step
         if self.last_capacity is None:

@@ -16,14 +16,16 @@ Reported per run (``SimResult``):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping, Sequence, Union
 
 import numpy as np
 
 from .profile import SpeedProfile
 from .registry import AsyncPolicy, FixedPolicy, SyncPolicy, ThresholdPolicy
-from .traces import AcceptanceTraces
+from .traces import AcceptanceTraces, synthetic_traces
 
 
 def gpu_like_profile(flat_until: int = 128, flat_seconds: float = 0.020, draft_seconds: float = 0.0005,
@@ -37,7 +39,8 @@ def gpu_like_profile(flat_until: int = 128, flat_seconds: float = 0.020, draft_s
     seconds = (flat_seconds, 32 * flat_seconds)
     reqs = (1, 1024)
     dsec = (draft_seconds + draft_per_request, draft_seconds + 1024 * draft_per_request)
-    return SpeedProfile(tokens, seconds, reqs, dsec, source="synthetic gpu-like (flat to %d tokens, then linear)" % flat_until)
+    return SpeedProfile(tokens, seconds, reqs, dsec,
+                        source=f"synthetic gpu-like (flat to {flat_until} tokens, then linear)")
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,10 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
         t += dt
         busy += n_run * dt
         steps += 1
-        sum_ell, sum_emit, request_steps, sum_b = sum_ell + int(ell.sum()), sum_emit + int(emit.sum()), request_steps + n_run, sum_b + b
+        sum_ell += int(ell.sum())
+        sum_emit += int(emit.sum())
+        request_steps += n_run
+        sum_b += b
         got = np.minimum(emit, remaining)  # a request stops at its output length mid-round
         tokens += int(got.sum())
         remaining = remaining - got
@@ -145,7 +151,8 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
 
 
 def default_policies(profile: SpeedProfile, gamma: int = 7, threshold: float = 0.7) -> dict[str, Callable[[], object]]:
-    """Factories (fresh objects per run) for the paper's comparison: none, MTP-1, fixed 2..γ, threshold, sync, async."""
+    """Factories (fresh objects per run) for the paper's comparison: none, MTP-1, fixed 2..γ, threshold, sync,
+    async."""
     pols: dict[str, Callable[[], object]] = {"none": lambda: FixedPolicy(0), "mtp1": lambda: FixedPolicy(1)}
     for k in range(2, gamma + 1):
         pols[f"fixed-{k}"] = lambda k=k: FixedPolicy(k)
@@ -170,8 +177,75 @@ def sweep(profile: SpeedProfile, traces: AcceptanceTraces, concurrencies: Sequen
 
 def format_sweep(results: Mapping[str, Mapping[int, SimResult]]) -> str:
     """Markdown table: one row per policy and concurrency."""
-    lines = ["| policy | C | throughput tok/s | per-user tok/s | mean budget ℓ | τ |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| policy | C | throughput tok/s | per-user tok/s | mean budget ℓ | τ |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name, by_c in results.items():
         for c, r in by_c.items():
-            lines.append(f"| {name} | {c} | {r.throughput_tps:.0f} | {r.per_user_tps:.1f} | {r.mean_budget:.2f} | {r.tau:.2f} |")
+            lines.append(f"| {name} | {c} | {r.throughput_tps:.0f} | {r.per_user_tps:.1f} | {r.mean_budget:.2f} "
+                         f"| {r.tau:.2f} |")
     return "\n".join(lines)
+
+
+def write_sweep_plot(results: Mapping[str, Mapping[int, SimResult]], path: str | os.PathLike, *,
+                     title: str = "") -> Path:
+    """Two panels: aggregate throughput against concurrency, and throughput against per-user speed (the paper's
+    serving trade-off: up and to the right is better). Needs matplotlib (imported here, not by the package)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2))
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for name, by_c in results.items():
+        cs = sorted(by_c)
+        thr = [by_c[c].throughput_tps for c in cs]
+        style = {"lw": 2.5, "marker": "o"} if name in ("sync", "async") else {"lw": 1, "marker": ".", "alpha": 0.7}
+        ax1.plot(cs, thr, label=name, **style)
+        ax2.plot([by_c[c].per_user_tps for c in cs], thr, label=name, **style)
+    ax1.set(xscale="log", xlabel="concurrency C", ylabel="throughput (tokens/s)")
+    ax2.set(xlabel="per-user speed (tokens/s)", ylabel="throughput (tokens/s)")
+    ax1.legend(fontsize=7, ncol=2)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, dict[int, SimResult]]:
+    """``python -m dspark.scheduling [--profile table.csv] [--traces traces.npz] [--out DIR]``:
+    closed-loop sweep of every policy; prints a Markdown table and, with --out, writes sweep.md/.json/.png."""
+    import argparse
+    import json
+    from dataclasses import asdict
+
+    from .profile_io import load_profile_table
+
+    ap = argparse.ArgumentParser(prog="python -m dspark.scheduling", description=main.__doc__)
+    ap.add_argument("--profile", help="user speed table (CSV/JSON tokens,seconds); default: synthetic GPU-like")
+    ap.add_argument("--traces", help="acceptance traces .npz (AcceptanceTraces.save); default: synthetic")
+    ap.add_argument("--concurrency", default="1,8,64,256", help="comma-separated closed-loop concurrencies")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--output-tokens", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="directory for sweep.md, sweep.json and sweep.png")
+    args = ap.parse_args(argv)
+    prof = load_profile_table(args.profile) if args.profile else gpu_like_profile()
+    traces = AcceptanceTraces.load(args.traces) if args.traces else synthetic_traces(seed=args.seed)
+    cs = tuple(int(c) for c in args.concurrency.split(","))
+    res = sweep(prof, traces, cs, output_tokens=args.output_tokens, n_steps=args.steps, seed=args.seed)
+    table = format_sweep(res)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sweep.md").write_text(f"profile: {prof.source}\n\n{table}\n", encoding="utf-8")
+        rows = [asdict(r) for by_c in res.values() for r in by_c.values()]
+        (out / "sweep.json").write_text(json.dumps({"profile": prof.source, "results": rows}, indent=1))
+        try:
+            write_sweep_plot(res, out / "sweep.png", title=prof.source)
+        except ImportError:
+            print("matplotlib not installed: no plot")
+    return res

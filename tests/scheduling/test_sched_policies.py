@@ -187,7 +187,8 @@ def random_sps(rng, R):
         return gpu_like_profile(flat_until=int(rng.integers(1, 64)), draft_seconds=float(rng.uniform(0, 0.01)))
     if kind == 1:  # jagged table (tokens up to R*(G+1) at most 270)
         tokens = tuple(range(1, 300))
-        secs = tuple(float(s) for s in 0.01 + np.cumsum(rng.uniform(0, 0.002, size=len(tokens))) * rng.choice([0, 1], size=len(tokens)))
+        steps = np.cumsum(rng.uniform(0, 0.002, size=len(tokens))) * rng.choice([0, 1], size=len(tokens))
+        secs = tuple(float(s) for s in 0.01 + steps)  # rises, with random drops back to 10 ms
         return SpeedProfile(tokens, secs)
     knee = float(rng.uniform(1, 50))
     return lambda b: 1.0 / max(1.0, b / knee) if np.ndim(b) == 0 else 1.0 / np.maximum(1.0, b / knee)
@@ -262,3 +263,16 @@ def test_async_policy_uses_confidences_from_two_steps_earlier():
             assert np.array_equal(ell, async_schedule(c, k))
     pol.reset()
     assert pol.prepare(64) and pol.last_capacity is None
+
+
+def test_async_policy_skips_the_drafter_when_capacity_is_zero():
+    # Compute-bound profile with a drafting cost: after two steps of history, K = 0 and drafting is skipped.
+    prof = SpeedProfile((1, 2), (1.0, 2.0), (1, 100), (0.5, 0.5))
+    pol = make_policy("async", sps=prof)
+    c = np.full((4, 3), 0.5)
+    for _ in range(2):
+        assert pol.prepare(4) is True
+        pol.select(c)
+    assert pol.prepare(4) is False and pol.last_capacity == 0
+    assert pol.select(None, n_requests=4).tolist() == [0, 0, 0, 0]  # no confidences needed this step
+    assert pol.prepare(4) is False  # history is unchanged by skipped steps

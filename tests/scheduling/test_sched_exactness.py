@@ -20,13 +20,14 @@ from dspark.scheduling import (
     sync_prefix_schedule_unsafe_no_early_stop,
 )
 
-V, R, GAMMA, N_WORLDS = 3, 3, 2, 20_000
+V, R, GAMMA, N_WORLDS = 3, 2, 2, 20_000
 P = np.array([[0.60, 0.25, 0.15], [0.10, 0.30, 0.60], [0.30, 0.50, 0.20]])  # target chain
 Q = np.array([[0.20, 0.60, 0.20], [0.50, 0.20, 0.30], [0.10, 0.30, 0.60]])  # draft chain: deliberately off
-G = np.array([0.30, 0.95, 0.50])  # confidence of the next slot given the previous token
-# A jagged SPS: one more token costs a lot, two or more are cheap again — the shape where a global search
-# without early stop "looks ahead" at slot-2 confidences, which are functions of the slot-1 token.
-SPS_TABLE = {b: s for b, s in zip(range(1, 20), [1.0, 1.0, 1.0, 0.62, 0.9, 0.9, 0.55, 0.7, 0.7, 0.4] + [0.4] * 9)}
+G = np.array([0.50, 0.95, 0.10])  # confidence of the next slot given the previous token
+# A jagged SPS: one or two more tokens cost a lot, three are worth it only if a slot-2 survival is high. A
+# global search without early stop then verifies the slot-1 drafts iff some request drafted token 1 at slot 1
+# (G[1] = 0.95) — for request 0 that is its own slot-1 token, which Q over-proposes. Algorithm 1 stops early.
+SPS_TABLE = {2: 1.0, 3: 0.7, 4: 0.6, 5: 0.6, 6: 0.5}
 
 
 def sps(b):
@@ -86,7 +87,7 @@ def run_round(rng, anchor, choose):
 def first_two_tokens(choose, seed):
     """Run rounds until every request emitted >= 2 tokens; return [N, 2] first two tokens of request 0."""
     rng = np.random.default_rng(seed)
-    anchor = np.zeros((N_WORLDS, R), dtype=np.int64)
+    anchor = np.zeros((N_WORLDS, R), dtype=np.int64)  # the law under test starts from token 0
     got = np.full((N_WORLDS, R, 2), -1)
     count = np.zeros((N_WORLDS, R), dtype=np.int64)
     for rnd in range(2):
@@ -111,21 +112,21 @@ POLICIES = {
     "async": lambda c, c_old: async_schedule(c, async_capacity(c_old, sps)),
     "fixed-1": lambda c, c_old: fixed_k(R, GAMMA, 1),
     "fixed-2": lambda c, c_old: fixed_k(R, GAMMA, 2),
-    "threshold": lambda c, c_old: static_threshold(c, 0.6),
+    "threshold": lambda c, c_old: static_threshold(c, 0.45),
     "threshold-cumulative": lambda c, c_old: static_threshold(c, 0.4, cumulative=True),
 }
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_policy_keeps_target_distribution(name):
-    pairs = first_two_tokens(POLICIES[name], seed=7)
+    pairs = first_two_tokens(POLICIES[name], seed=0)
     assert chi2_pvalue(pairs) > 1e-3
 
 
 def test_the_harness_detects_the_unsafe_search():
     """Same setup, global search without early stop: the bias is far beyond sampling noise (test has power)."""
     unsafe = lambda c, c_old: sync_prefix_schedule_unsafe_no_early_stop(c, sps)  # noqa: E731
-    pairs = first_two_tokens(unsafe, seed=7)
+    pairs = first_two_tokens(unsafe, seed=0)
     assert chi2_pvalue(pairs) < 1e-6
 
 

@@ -1,0 +1,172 @@
+"""Speed profile: interpolation/extrapolation, measuring, the keyed cache (round trip, stale key -> None with a
+warning), and user-supplied tables whose errors name the bad line."""
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from dspark.scheduling import (
+    ProfileFormatError,
+    ProfileKey,
+    SpeedProfile,
+    current_machine,
+    load_cached_profile,
+    load_profile_table,
+    measure_profile,
+    save_profile,
+)
+
+KEY = ProfileKey("HuggingFaceTB/SmolLM2-135M-Instruct", "dspark-markov", current_machine(), "float32")
+PROF = SpeedProfile((1, 16, 64), (0.08, 0.10, 0.30), (1, 64), (0.04, 0.10), key=KEY, source="test")
+
+
+def test_interpolation_and_extrapolation():
+    assert PROF.step_s(1) == pytest.approx(0.08)
+    assert PROF.step_s(8) == pytest.approx(0.08 + 7 / 15 * 0.02)  # linear in time between points
+    assert PROF.step_s(40) == pytest.approx(0.20)
+    assert PROF.step_s(128) == pytest.approx(0.30 + 64 * 0.2 / 48)  # last slope continues above the table
+    flat = SpeedProfile(PROF.tokens, PROF.seconds, extrapolate="flat")
+    assert flat.step_s(128) == pytest.approx(0.30)
+    assert SpeedProfile((4, 8), (0.1, 0.2)).step_s(1) == pytest.approx(0.1)  # flat below the first point
+    np.testing.assert_allclose(PROF.step_s(np.array([1, 40])), [0.08, 0.20])
+    assert PROF.sps(16) == pytest.approx(10.0)
+    assert PROF.sps(16, n_requests=64) == pytest.approx(1 / 0.2)  # drafting cost of 64 requests added
+    assert PROF.draft_s(32) == pytest.approx(0.04 + 31 / 63 * 0.06)
+    assert SpeedProfile((1,), (0.1,)).draft_s(10) == 0.0
+    assert isinstance(PROF.step_s(3), float)
+
+
+def test_negative_slope_is_not_extrapolated_below_zero():
+    p = SpeedProfile((1, 2), (0.2, 0.1))
+    assert p.step_s(1000) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    "tokens, seconds, match",
+    [((), (), "non-zero"), ((1, 1), (0.1, 0.1), "increasing"), ((0,), (0.1,), ">= 1"), ((1,), (0.0,), "> 0"),
+     ((1, 2), (0.1,), "same")],
+)
+def test_invalid_tables(tokens, seconds, match):
+    with pytest.raises(ValueError, match=match):
+        SpeedProfile(tokens, seconds)
+
+
+def test_measure_profile_takes_median():
+    now = [0.0]  # fake clock, advanced by the fake step function
+    durations = {4: [0.5, 0.1, 0.2], 8: [0.3, 0.3, 9.0]}
+    calls = {4: 0, 8: 0}
+
+    def timer():
+        return now[0]
+
+    def step(b):
+        if calls[b] >= 1:  # first call is the warm-up and is not timed
+            now[0] += durations[b][calls[b] - 1]
+        calls[b] += 1
+
+    prof = measure_profile(step, [8, 4], repeats=3, warmup=1, timer=timer)
+    assert prof.tokens == (4, 8)
+    assert prof.seconds == pytest.approx((0.2, 0.3))  # medians; the 9 s outlier is ignored
+    assert prof.source == "measured"
+
+
+def test_cache_round_trip(tmp_path):
+    path = save_profile(PROF, tmp_path / "profiles" / "sps.json")
+    back = load_cached_profile(path, KEY)
+    assert back == PROF
+    assert back.step_s(40) == PROF.step_s(40)
+    assert json.loads(path.read_text())["version"] == 1
+
+
+def test_cache_missing_is_silent(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_cached_profile(tmp_path / "nope.json", KEY) is None
+
+
+@pytest.mark.parametrize("field", ["model_id", "drafter_id", "machine", "dtype"])
+def test_cache_key_mismatch_warns_and_returns_none(tmp_path, field):
+    path = save_profile(PROF, tmp_path / "sps.json")
+    other = ProfileKey(**{**KEY.as_dict(), field: "something else"})
+    with pytest.warns(UserWarning, match=f"different setup.*{field}"):
+        assert load_cached_profile(path, other) is None
+
+
+@pytest.mark.parametrize("text", ["{not json", json.dumps({"format": "dspark.speed_profile", "version": 0})])
+def test_cache_corrupt_or_old_version_warns_and_returns_none(tmp_path, text):
+    path = tmp_path / "sps.json"
+    path.write_text(text)
+    with pytest.warns(UserWarning, match="re-profiling"):
+        assert load_cached_profile(path, KEY) is None
+
+
+def test_user_csv_table(tmp_path):
+    path = tmp_path / "h200.csv"
+    path.write_text("# measured on a GPU\ntokens,seconds,note\n128,0.021,knee\n1,0.020,\n\n1024,0.150,\n")
+    prof = load_profile_table(path)
+    assert prof.tokens == (1, 128, 1024)  # rows in any order
+    assert prof.step_s(576) == pytest.approx(0.021 + 448 / 896 * 0.129)
+    assert "h200.csv" in prof.source
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ("tokens,seconds\n1,0.02\n8,fast\n", "line 3"),
+        ("tokens,seconds\n1,0.02\n\n8,0.02,extra\n", "line 4"),
+        ("tokens,seconds\n1,0.02\n2.5,0.02\n", "line 3.*integer"),
+        ("tokens,seconds\n1,0.02\n2,-1\n", "line 3.*> 0"),
+        ("tokens,seconds\n4,0.02\n4,0.03\n", "line 3.*repeats line 2"),
+        ("B,time\n1,0.02\n", "line 1.*header"),
+        ("# only a comment\n", "empty"),
+    ],
+)
+def test_user_csv_errors_name_the_line(tmp_path, body, match):
+    path = tmp_path / "t.csv"
+    path.write_text(body)
+    with pytest.raises(ProfileFormatError, match=match):
+        load_profile_table(path)
+
+
+def test_user_json_table(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"rows": [{"tokens": 1, "seconds": 0.02}, {"tokens": 256, "seconds": 0.05}],
+                                "draft": [{"requests": 1, "seconds": 0.001}]}))
+    prof = load_profile_table(path, key=KEY)
+    assert prof.tokens == (1, 256) and prof.draft_s(50) == pytest.approx(0.001) and prof.key == KEY
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('[{"tokens": 1, "seconds": 0.02},\n {"tokens": 2, "secs": 0.02}]', r"row 2 \(entry \[1\]\)"),
+        ('[{"tokens": 1, "seconds": 0.02},\n {"tokens": 2 "seconds": 0.02}]', "line 2"),
+        ('{"rows": 5}', "list"),
+    ],
+)
+def test_user_json_errors(tmp_path, text, match):
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    with pytest.raises(ProfileFormatError, match=match):
+        load_profile_table(path)
+
+
+def test_load_or_measure_measures_once_then_uses_the_cache(tmp_path):
+    from dspark.scheduling import load_or_measure
+
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return SpeedProfile((1, 8), (0.05, 0.06), source="measured")
+
+    path = tmp_path / "sps.json"
+    first = load_or_measure(path, KEY, measure)
+    second = load_or_measure(path, KEY, measure)
+    assert len(calls) == 1 and first == second and second.key == KEY
+    other = ProfileKey(**{**KEY.as_dict(), "dtype": "bfloat16"})
+    with pytest.warns(UserWarning, match="dtype"):
+        load_or_measure(path, other, measure)  # another dtype: re-profiled and re-cached
+    assert len(calls) == 2 and load_cached_profile(path, other) is not None

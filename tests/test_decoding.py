@@ -1,0 +1,92 @@
+"""Unit tests of logits processing and verification (the pure functions under the loop)."""
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dspark.decoding import SamplingError, SamplingParams, sample_from, to_probs, verify, verify_greedy
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(top_k=2.5), "top_k"), (dict(max_new_tokens=0), "max_new_tokens"),
+])
+def test_invalid_sampling_params_are_rejected(kwargs, match):
+    with pytest.raises(SamplingError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_processing_top_k_top_p_and_greedy():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    assert to_probs(logits, SamplingParams(temperature=0)).tolist() == [[1.0, 0, 0, 0, 0]]
+    p = to_probs(logits, SamplingParams(top_k=2))
+    assert (p[0, 2:] == 0).all() and torch.isclose(p.sum(), torch.tensor(1.0))
+    full = torch.softmax(logits, -1)[0]
+    p = to_probs(logits, SamplingParams(top_p=float(full[0] + 1e-3)))  # needs the top two tokens
+    assert (p[0] > 0).tolist() == [True, True, False, False, False]
+    assert to_probs(logits, SamplingParams(top_p=0.01))[0].tolist() == [1.0, 0, 0, 0, 0]
+
+
+def test_sampling_never_picks_zero_mass():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).expand(10_000, 5)
+    tokens = sample_from(probs, torch.rand(10_000, dtype=torch.float64))
+    assert set(tokens.tolist()) == {1, 3}
+    edge = sample_from(probs[:2], torch.tensor([0.0, 1.0 - 2 ** -53], dtype=torch.float64))
+    assert edge.tolist() == [1, 3]
+
+
+def _first_emitted(res, drafts):
+    return torch.where(res.accepted > 0, drafts[:, 0], res.next_token)
+
+
+@pytest.mark.parametrize("q_kind", ["uniform", "peaked", "point"])
+def test_verify_slot_law_is_target(q_kind):
+    """Vectorised over 200k rows: the first emitted token is distributed as p_1 for any draft law q_1."""
+    g = torch.Generator().manual_seed(0)
+    R, V, gamma = 200_000, 6, 2
+    p = torch.softmax(torch.randn(gamma + 1, V, generator=g) * 1.5, -1)
+    q = {"uniform": torch.full((gamma, V), 1 / V),
+         "peaked": torch.softmax(torch.randn(gamma, V, generator=g) * 4, -1),
+         "point": torch.eye(V)[[int(p[0].argmin()), 0]]}[q_kind]
+    drafts = torch.stack([sample_from(q[k].expand(R, V), torch.rand(R, generator=g, dtype=torch.float64))
+                          for k in range(gamma)], 1)
+    res = verify(drafts, None if q_kind == "point" else q.expand(R, gamma, V), p.expand(R, gamma + 1, V),
+                 torch.full((R,), gamma), torch.rand(R, gamma + 1, generator=g, dtype=torch.float64))
+    counts = torch.bincount(_first_emitted(res, drafts), minlength=V).double()
+    expected = p[0].double() / p[0].double().sum() * R
+    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_verify_greedy_equals_verify_on_point_masses():
+    g = torch.Generator().manual_seed(1)
+    R, V, gamma = 64, 10, 5
+    logits = torch.randn(R, gamma + 1, V, generator=g)
+    best = logits.argmax(-1)
+    drafts = torch.where(torch.rand(R, gamma, generator=g) < 0.7, best[:, :gamma], (best[:, :gamma] + 1) % V)
+    num = torch.randint(0, gamma + 1, (R,), generator=g)
+    stops = torch.tensor([3])
+    a = verify_greedy(drafts, logits, num, stops)
+    greedy = SamplingParams(temperature=0)
+    b = verify(drafts, to_probs(logits[:, :gamma], greedy), to_probs(logits, greedy), num,
+               torch.rand(R, gamma + 1, generator=g, dtype=torch.float64), stops)
+    for field in ("accepted", "next_token", "stopped"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+
+
+def test_accepted_stop_token_ends_without_bonus():
+    logits = torch.full((1, 4, 5), -5.0)
+    for slot, tok in enumerate([1, 2, 4, 0]):
+        logits[0, slot, tok] = 5.0
+    drafts = torch.tensor([[1, 2, 4]])
+    res = verify_greedy(drafts, logits, torch.tensor([3]), stop_ids=torch.tensor([2]))
+    assert res.emitted(drafts, 0) == [1, 2] and bool(res.stopped[0])
+    res = verify_greedy(drafts, logits, torch.tensor([3]))
+    assert res.emitted(drafts, 0) == [1, 2, 4, 0]
+
+
+def test_rejection_draws_replacement_from_residual():
+    p = torch.tensor([[[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]]])
+    q = torch.tensor([[[0.0, 1.0, 0.0]]])
+    # u·q = 0.6 >= p = 0.5 rejects token 1; the residual max(0, p − q) is all on token 0.
+    res = verify(torch.tensor([[1]]), q, p, torch.tensor([1]), torch.tensor([[0.6, 0.99]], dtype=torch.float64))
+    assert res.accepted.tolist() == [0] and res.next_token.tolist() == [0]
