@@ -1,0 +1,73 @@
+"""Shared pieces of the benchmarks: the benchmark prompt sets, machine facts, result writers."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+
+DOMAINS = {"gsm8k": "math", "math500": "math", "aime25": "math", "humaneval": "code", "mbpp": "code",
+           "livecodebench": "code", "mt-bench": "chat", "arena-hard-v2": "chat"}
+
+
+def shared_dir() -> Path | None:
+    """../shared beside the checkout (or $DSPARK_SHARED); None when absent."""
+    env = os.environ.get("DSPARK_SHARED")
+    candidates = [Path(env)] if env else []
+    candidates += [Path.cwd().parent / "shared", Path(__file__).resolve().parents[4] / "shared"]
+    return next((c for c in candidates if (c / "bench_data").is_dir()), None)
+
+
+def load_bench_prompts(sets: tuple[str, ...], per_set: int) -> list[tuple[str, str]]:
+    """[(set name, first user turn)] from ../shared/bench_data; a clear error when missing."""
+    root = shared_dir()
+    if root is None:
+        raise FileNotFoundError("benchmark prompts live in ../shared/bench_data (or $DSPARK_SHARED/bench_data), "
+                                "which is not present on this machine")
+    out = []
+    for name in sets:
+        path = root / "bench_data" / f"{name}.jsonl"
+        if not path.is_file():
+            available = sorted(p.stem for p in (root / "bench_data").glob("*.jsonl"))
+            raise FileNotFoundError(f"no benchmark set {name!r}; available: {', '.join(available)}")
+        with path.open() as f:
+            for line, _ in zip(f, range(per_set)):
+                out.append((name, json.loads(line)["turns"][0]))
+    return out
+
+
+def machine_info() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def median(values) -> float:
+    values = list(values)
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(out: Path, name: str, data: dict, markdown: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2))
+    (out / f"{name}.md").write_text(markdown)

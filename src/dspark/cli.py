@@ -1,0 +1,134 @@
+"""The `dspark` command line. Each subcommand lives in a small `add_*` function; errors become one line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .decoding.sampling import SamplingError
+from .drafters.base import DrafterError
+from .engine.speculative import PromptTooLongError
+from .models.config import ModelConfigError
+from .models.loader import DEFAULT_MODEL, EMBEDDED, ModelNotFoundError
+from .models.weights import WeightsError
+
+USER_ERRORS = (ModelNotFoundError, ModelConfigError, WeightsError, SamplingError, PromptTooLongError,
+               DrafterError, FileNotFoundError, ValueError)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"HF directory, .gguf file, hub id, or an embedded name ({', '.join(EMBEDDED)})")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weight/activation dtype of the target (bfloat16 is faster on CPU, not bit-equal to fp32)")
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="stream a completion, optionally with speculative decoding",
+                       description="Generate text from one prompt, streaming tokens as they are accepted.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="file whose whole content is the prompt")
+    _add_model_args(p)
+    p.add_argument("--drafter", default="ngram", help="none, ngram, or the path of a trained drafter")
+    p.add_argument("--gamma", type=int, default=7, help="draft block size (tokens proposed per round)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap the prompt in the tokenizer's chat template (default: on)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--json", action="store_true", help="print one JSON object (text + statistics) instead")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args) -> int:
+    from .decoding import SamplingParams
+    from .generate import TextGenerator
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens)  # validated before the model loads
+    prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+    gen = TextGenerator(args.model, args.drafter, gamma=args.gamma, dtype=args.dtype)
+    stream = gen.stream(prompt, params, chat=args.chat)
+    for piece in stream:
+        if not args.json:
+            print(piece, end="", flush=True)
+    stats = stream.stats.to_dict()
+    if args.json:
+        print(json.dumps({"model": args.model, "drafter": args.drafter, "text": stream.text, **stats}))
+    else:
+        print(f"\n\n[{stats['new_tokens']} tokens, {stats['rounds']} rounds, tau {stats['tau']:.2f}, "
+              f"{stats['tokens_per_s']:.1f} tok/s, ttft {stats['ttft_s'] * 1000:.0f} ms, "
+              f"finish: {stats['finish_reason']}]", file=sys.stderr)
+    return 0
+
+
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (results saved as JSON + Markdown + PNG)")
+    bench = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    r = bench.add_parser("runtime", help="our plain/n-gram decoding vs transformers, and the forward speed curve",
+                         description="Batch-1 speed of our runtime against HF generate and HF prompt lookup, "
+                                     "side by side in one process, plus target forward time vs tokens verified.")
+    _add_model_args(r)
+    r.add_argument("--per-set", type=int, default=5, help="prompts per benchmark set")
+    r.add_argument("--sets", default="humaneval,gsm8k,mt-bench")
+    r.add_argument("--max-new-tokens", type=int, default=128)
+    r.add_argument("--temperatures", default="0,1")
+    r.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
+    r.add_argument("--out", type=Path, default=Path("results/runtime"))
+    r.set_defaults(func=run_bench_runtime)
+
+
+def run_bench_runtime(args) -> int:
+    from .bench.runtime import RuntimeBenchConfig, run
+
+    cfg = RuntimeBenchConfig(model=args.model, dtype=args.dtype, per_set=args.per_set,
+                             sets=tuple(args.sets.split(",")), max_new_tokens=args.max_new_tokens,
+                             temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+                             hf=not args.skip_hf, out=args.out)
+    run(cfg)
+    return 0
+
+
+def add_models(sub) -> None:
+    p = sub.add_parser("models", help="list the embedded model names and where they resolve")
+    p.set_defaults(func=run_models)
+
+
+def run_models(args) -> int:
+    from .models.loader import embedded_path
+
+    for name in EMBEDDED:
+        try:
+            where = str(embedded_path(name))
+        except ModelNotFoundError as exc:
+            where = f"not installed ({exc})"
+        print(f"{name}\t{where}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description="Lossless confidence-scheduled speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (add_generate, add_bench, add_models):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
