@@ -1,0 +1,176 @@
+"""The DSpark drafter at inference: per-request context K/V, one parallel block, left-to-right sampling.
+
+Engine contract (the drafter never runs the target itself, so the target is computed once per token):
+
+* Run every target forward of a request with ``hidden_layers=drafter.needs_layers``.
+* After the target commits tokens to its KV cache, hand their captured states to the drafter:
+  ``drafter.observe(request, out.hidden, n_committed)`` — rows 0..n_committed−1 of each ``out.hidden[layer]``
+  ([n, d]) are the states of the tokens just committed, in order. Prefill: n_committed = prompt length.
+  Verification over [anchor, x_1..x_ℓ]: n_committed = accepted + 1 (the anchor and the accepted drafts, i.e.
+  exactly what stays in the target cache after ``truncate(start + accepted + 1)``). Chunked prefill: once per
+  chunk. A flattened batch: ``observe_batch(requests, out.hidden, offsets, counts)`` with each request's first
+  row in the batch and its n_committed.
+* ``propose(requests)`` then requires that every committed token was observed, i.e. the drafter's context
+  length equals ``len(request.tokens) − 1`` (all tokens except the anchor); otherwise it raises DrafterError.
+* ``observe(..., start=p)`` rolls the draft context back to position p before appending (p ≤ current length).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..decoding.sampling import sample_from, to_probs
+from ..models.transformer import Transformer
+from .base import DraftRequest, Drafter, DrafterError, Proposal, register_drafter
+from .dspark_checkpoint import load_calibration, load_drafter_model
+from .dspark_context import DraftContext
+from .dspark_model import DSparkModel
+
+STATE_KEY = "dspark.context"
+
+
+@dataclass
+class DSparkProposal(Proposal):
+    confidence_logits: torch.Tensor | None = None  # [R, γ] raw logits of the confidence head
+
+
+class DSparkDrafter(Drafter):
+    name = "dspark"
+
+    def __init__(self, model: DSparkModel, target: Transformer, gamma: int | None = None, calibration=None):
+        block = model.arch.block_size
+        super().__init__(block if gamma is None else gamma)
+        if self.gamma > block:
+            raise DrafterError(f"gamma={self.gamma} exceeds the drafter's trained block size {block}")
+        self.model, self.target, self.calibration = model.eval(), target, calibration
+        self.needs_layers = tuple(model.arch.layer_ids)
+        self.has_confidence = model.confidence is not None
+        self.name = model.arch.drafter_type
+
+    # ------------------------------------------------------------------------------------------------
+    def context(self, request: DraftRequest) -> DraftContext:
+        ctx = request.state.get(STATE_KEY)
+        if ctx is None:
+            layer = self.model.layers[0]
+            ctx = request.state[STATE_KEY] = DraftContext(len(self.model.layers), layer.kv_heads, layer.head_dim)
+        return ctx
+
+    def observe(self, request: DraftRequest, hidden: dict[int, torch.Tensor], n_committed: int,
+                start: int | None = None) -> None:
+        """Extend the request's draft context with the first n_committed rows of `hidden` (see module doc)."""
+        self.observe_batch([request], hidden, [0], [n_committed], None if start is None else [start])
+
+    @torch.inference_mode()
+    def observe_batch(self, requests: list[DraftRequest], hidden: dict[int, torch.Tensor], offsets: list[int],
+                      counts: list[int], starts: list[int] | None = None) -> None:
+        """hidden[layer]: [N, d] for a flattened batch; request r owns rows offsets[r] .. offsets[r]+counts[r]−1."""
+        missing = [i for i in self.needs_layers if i not in hidden]
+        if missing:
+            raise DrafterError(f"observe() got no hidden states for target layers {missing}; run the target "
+                               f"forward with hidden_layers={self.needs_layers}")
+        ctxs = [self.context(r) for r in requests]
+        firsts = [c.length if starts is None else int(s) for c, s in zip(ctxs, starts or [None] * len(ctxs))]
+        for c, first in zip(ctxs, firsts):
+            if not 0 <= first <= c.length:
+                raise DrafterError(f"observe(start={first}) would leave a gap after {c.length} observed tokens")
+        rows = torch.cat([torch.arange(o, o + n) for o, n in zip(offsets, counts)])  # [M]
+        if rows.numel() == 0:
+            return
+        states = torch.stack([hidden[i][rows] for i in self.needs_layers], dim=1)  # [M, m, d]
+        positions = torch.cat([torch.arange(f, f + n) for f, n in zip(firsts, counts)])  # [M]
+        kv = self.model.context_kv(self.model.fuse_features(states.float()), positions)  # per layer [M, kvH, hd]
+        at = 0
+        for c, first, n in zip(ctxs, firsts, counts):
+            c.write(first, [(k[at:at + n], v[at:at + n]) for k, v in kv])
+            at += n
+
+    # ------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> DSparkProposal:
+        ctxs = [self.context(r) for r in requests]
+        for r, c in zip(requests, ctxs):
+            if c.length != len(r.tokens) - 1:
+                raise DrafterError(f"the request has {len(r.tokens) - 1} committed tokens but the drafter observed "
+                                   f"{c.length}: call drafter.observe() after every target forward")
+        R, block = len(requests), self.model.arch.block_size
+        anchors = torch.tensor([c.length for c in ctxs])  # [R] anchor positions
+        anchor_ids = torch.tensor([r.tokens[-1] for r in requests])  # [R]
+        block_ids = torch.full((R, 1, block), self.model.arch.mask_token_id, dtype=torch.long)
+        block_ids[:, 0, 0] = anchor_ids
+        ctx_kv, visible = DraftContext.batch(ctxs, anchors)  # per layer [R, T, kvH, hd]; [R, 1, T]
+        h = self.model.backbone(block_ids, anchors[:, None], ctx_kv, visible)[:, 0, : self.gamma]  # [R, γ, d]
+        base = self.target.lm_logits(h.reshape(-1, h.shape[-1]).to(self.target.dtype)).view(R, self.gamma, -1)
+        tokens, probs, conf = self._sample_block(h, base, anchor_ids, requests)
+        return DSparkProposal(tokens=tokens, num_tokens=torch.full((R,), self.gamma), probs=probs,
+                              confidences=self._calibrate(conf), confidence_logits=conf)
+
+    def _sample_block(self, h: torch.Tensor, base: torch.Tensor, prev: torch.Tensor, requests):
+        """Left to right: slot k's logits = U_k + head bias(x_{k−1}), x_{k−1} the token actually drawn.
+        h: [R, γ, d]; base: [R, γ, V] -> tokens [R, γ], probs [R, γ, V] fp32, confidence logits [R, γ]."""
+        R, gamma, V = base.shape
+        model, head = self.model, self.model.head
+        tokens = torch.empty(R, gamma, dtype=torch.long)
+        probs = torch.empty(R, gamma, V, dtype=torch.float32)
+        conf = torch.empty(R, gamma) if model.confidence is not None else None
+        state = head.init_state((R,), h) if head is not None else None
+        for k in range(gamma):
+            logits = base[:, k]
+            if head is not None:
+                state, bias = head.step(state, prev, h[:, k])
+                logits = logits + bias
+            if conf is not None:
+                conf[:, k] = model.confidence_logits(h[:, k], prev)
+            probs[:, k] = self._process(logits, requests)
+            # Invariant 1: the token is drawn from exactly the fp32 vector handed to verification.
+            tokens[:, k] = prev = sample_from(probs[:, k], self._uniforms(requests))
+        return tokens, probs, conf
+
+    @staticmethod
+    def _process(logits: torch.Tensor, requests) -> torch.Tensor:
+        """Per-request temperature/top-k/top-p (invariant 2), batched over requests sharing parameters."""
+        groups: dict = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.params, []).append(i)
+        if len(groups) == 1:
+            return to_probs(logits, requests[0].params)
+        out = torch.empty_like(logits, dtype=torch.float32)
+        for params, rows in groups.items():
+            out[rows] = to_probs(logits[rows], params)
+        return out
+
+    @staticmethod
+    def _uniforms(requests) -> torch.Tensor:
+        # Greedy slots are one-hot, so any uniform picks the argmax; don't spend the request's randomness.
+        return torch.cat([torch.full((1,), 0.5, dtype=torch.float64) if r.params.greedy
+                          else torch.rand(1, generator=r.generator, dtype=torch.float64) for r in requests])
+
+    def _calibrate(self, logits: torch.Tensor | None) -> torch.Tensor | None:
+        if logits is None:
+            return None
+        if self.calibration is None:
+            return logits.sigmoid()
+        temps = torch.tensor(self.calibration.temperatures[: self.gamma], dtype=logits.dtype)
+        return (logits / temps).sigmoid()
+
+
+def _transformer(target) -> Transformer:
+    for candidate in (target, getattr(target, "model", None)):
+        if isinstance(candidate, Transformer):
+            return candidate
+    raise DrafterError(f"a DSpark/DFlash drafter needs the target Transformer (or a LoadedModel / "
+                       f"TransformerTarget holding one), got {type(target).__name__}")
+
+
+def load_dspark(path, target, gamma: int | None = None, strict_target: bool = True,
+                calibration: bool = True) -> DSparkDrafter:
+    """Load a `dspark` or `dflash` checkpoint directory for `target`; calibration.json is used when present."""
+    model_target = _transformer(target)
+    model, _ = load_drafter_model(path, model_target, strict_target)
+    cal = load_calibration(path, model.arch.block_size) if calibration else None
+    return DSparkDrafter(model, model_target, gamma, cal)
+
+
+@register_drafter("checkpoint:dspark")
+def _load_dspark_checkpoint(path, target=None, gamma: int | None = None, **options) -> DSparkDrafter:
+    return load_dspark(path, target, gamma, **options)

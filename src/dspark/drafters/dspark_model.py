@@ -1,0 +1,221 @@
+"""The DSpark drafter network (also DFlash, which is the same backbone without the sequential/confidence heads).
+
+Context: the hidden states of m target layers at each committed position, fused by Linear(m·d → d) + RMSNorm.
+Backbone: N target-style decoder layers over one block of γ slots per anchor, input [anchor, MASK × (γ−1)]
+embedded with the frozen target embedding. Each layer's attention takes queries from the block only and
+keys/values from [context ; block] (KV injection: the same k/v projections applied to the fused context
+features), RoPE at absolute positions (context at its own positions, slot k at anchor_pos + k). A block sees
+the context strictly before its anchor and itself bidirectionally. Slot k predicts the token at anchor_pos+k+1.
+
+Training and inference share every function here; only the layout differs ([G groups, A blocks] with G
+sequences of a packed batch, or G requests with A = 1 at inference).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.layers import RotaryTable, apply_rotary
+from ..models.transformer import Transformer
+from .dspark_attention import block_attention
+from .dspark_heads import ConfidenceHead, make_sequential_head
+
+
+def default_layer_ids(num_target_layers: int, count: int = 5) -> tuple[int, ...]:
+    """`count` layers evenly spread from layer 1 to L−3 (DeepSpec's choice), clipped for very shallow targets."""
+    lo = min(1, num_target_layers - 1)
+    hi = max(lo, num_target_layers - 3)
+    ids = {round(lo + i * (hi - lo) / max(count - 1, 1)) for i in range(count)}
+    return tuple(sorted(ids))
+
+
+@dataclass(frozen=True)
+class DrafterArch:
+    """What defines a drafter network, beyond the dimensions it inherits from its target."""
+
+    drafter_type: str = "dspark"  # "dspark" | "dflash"
+    layer_ids: tuple[int, ...] = ()  # target layers fused into the context features
+    num_layers: int = 1  # draft decoder layers
+    block_size: int = 7  # γ slots per block
+    mask_token_id: int = 0
+    head: str = "markov"  # "markov" | "rnn" | "none"
+    rank: int = 64
+    confidence: bool = True
+    intermediate_size: int = 0  # 0 = the target's
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "layer_ids": list(self.layer_ids)}
+
+    @staticmethod
+    def from_dict(raw: dict) -> "DrafterArch":
+        known = set(DrafterArch.__dataclass_fields__)
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown drafter architecture fields {sorted(unknown)}; known: {sorted(known)}")
+        return DrafterArch(**{**raw, "layer_ids": tuple(int(i) for i in raw.get("layer_ids", ()))})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class DraftLayer(nn.Module):
+    """One target-style decoder layer whose attention injects the context K/V (see module docstring)."""
+
+    def __init__(self, cfg, intermediate: int):
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.scale = cfg.query_scale or hd ** -0.5
+        self.attn_norm, self.ffn_norm = RMSNorm(d, cfg.rms_eps), RMSNorm(d, cfg.rms_eps)
+        self.qkv = nn.Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, bias=cfg.attention_bias)
+        self.o = nn.Linear(cfg.num_heads * hd, d, bias=False)
+        self.gate_up = nn.Linear(d, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, d, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_eps) if cfg.qk_norm else None
+        self.post_attn_norm = RMSNorm(d, cfg.rms_eps) if cfg.gemma_norm else None  # Gemma sandwich norms
+        self.post_ffn_norm = RMSNorm(d, cfg.rms_eps) if cfg.gemma_norm else None
+        self.act = (lambda x: F.gelu(x, approximate="tanh")) if cfg.activation == "gelu_tanh" else F.silu
+
+    def context_kv(self, feats: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """feats: [N, d] fused context features -> k, v: [N, kvH, hd], k rotated at the context positions.
+
+        No input norm: the fused features are already RMS-normalised (as in DeepSpec)."""
+        n, q_dim, kv_dim = feats.shape[0], self.heads * self.head_dim, self.kv_heads * self.head_dim
+        bias = None if self.qkv.bias is None else self.qkv.bias[q_dim:]
+        k, v = F.linear(feats, self.qkv.weight[q_dim:], bias).split([kv_dim, kv_dim], dim=-1)
+        k, v = k.view(n, self.kv_heads, self.head_dim), v.view(n, self.kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rotary(k, *rope), v
+
+    def forward(self, x: torch.Tensor, rope, kc, vc, ctx_visible) -> torch.Tensor:
+        """x: [G, A, γ, d]; rope: cos/sin [G·A·γ, 1, hd]; kc, vc: [G, T, kvH, hd]; ctx_visible: [G, A, T]."""
+        G, A, S, d = x.shape
+        h = self.attn_norm(x).reshape(-1, d)
+        q, k, v = self.qkv(h).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                     self.kv_heads * self.head_dim], dim=-1)
+        q, k, v = (t.reshape(G * A * S, -1, self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        shape = (G, A, S, -1, self.head_dim)
+        out = block_attention(q.view(shape), k.view(shape), v.view(shape), kc, vc, ctx_visible, self.scale)
+        h = self.o(out.reshape(G, A, S, -1))
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        gate, up = self.gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
+        h = self.down(self.act(gate) * up)
+        if self.post_ffn_norm is not None:
+            h = self.post_ffn_norm(h)
+        return x + h
+
+
+@dataclass
+class FrozenTarget:
+    """The target tensors the drafter shares but never trains or saves: embedding, LM head, rotary table."""
+
+    embed: torch.Tensor  # [V, d]
+    lm_head: torch.Tensor  # [V, d]
+    embed_scale: float | None
+    softcap: float | None
+    rope: RotaryTable = field(repr=False)
+
+
+class DSparkModel(nn.Module):
+    def __init__(self, arch: DrafterArch, target: Transformer):
+        super().__init__()
+        cfg = target.config
+        if not arch.layer_ids or max(arch.layer_ids) >= cfg.num_layers or min(arch.layer_ids) < 0:
+            raise ValueError(f"layer_ids {arch.layer_ids} must name layers of the {cfg.num_layers}-layer target")
+        self.arch, self.target_config = arch, cfg
+        d = cfg.hidden_size
+        self.fuse = nn.Linear(len(arch.layer_ids) * d, d, bias=False)  # [m·d -> d]
+        self.fuse_norm = RMSNorm(d, cfg.rms_eps)
+        inter = arch.intermediate_size or cfg.intermediate_size
+        self.layers = nn.ModuleList(DraftLayer(cfg, inter) for _ in range(arch.num_layers))
+        self.final_norm = RMSNorm(d, cfg.rms_eps)
+        self.head = make_sequential_head(arch.head, cfg.vocab_size, arch.rank, d)
+        token_dim = self.head.rank if self.head is not None else 0
+        self.confidence = ConfidenceHead(d, token_dim) if arch.confidence else None
+        # Not registered as parameters or buffers: never trained, never written into the checkpoint.
+        self.frozen = FrozenTarget(target.embed, target.lm_head.weight,
+                                   float(cfg.hidden_size ** 0.5) if cfg.gemma_norm else None,
+                                   cfg.final_logit_softcap, RotaryTable(cfg.rope, cfg.head_dim, torch.float32))
+
+    # ------------------------------------------------------------------------------------------------
+    def init_from_target(self, target: Transformer) -> list[int]:
+        """Copy the last N target layers (and the final norm) into the draft layers where shapes match."""
+        copied = []
+        src_layers = target.layers[-len(self.layers):]
+        with torch.no_grad():
+            self.final_norm.weight.copy_(target.final_norm.float())
+            for i, (dst, src) in enumerate(zip(self.layers, src_layers)):
+                pairs = [(dst.qkv.weight, src.qkv.weight), (dst.o.weight, src.o.weight),
+                         (dst.gate_up.weight, src.gate_up.weight), (dst.down.weight, src.down.weight),
+                         (dst.attn_norm.weight, src.attn_norm), (dst.ffn_norm.weight, src.ffn_norm)]
+                if dst.qkv.bias is not None and src.qkv.bias is not None:
+                    pairs.append((dst.qkv.bias, src.qkv.bias))
+                for a, b in ((dst.q_norm, src.q_norm), (dst.k_norm, src.k_norm),
+                             (dst.post_attn_norm, src.post_attn_norm), (dst.post_ffn_norm, src.post_ffn_norm)):
+                    if a is not None and b is not None:
+                        pairs.append((a.weight, b))
+                if all(a.shape == b.shape for a, b in pairs):
+                    for a, b in pairs:
+                        a.copy_(b.float())
+                    copied.append(len(target.layers) - len(self.layers) + i)
+        return copied
+
+    def rope(self, positions: torch.Tensor):
+        """positions: [N] -> (cos, sin) [N, 1, hd] in fp32."""
+        top = int(positions.max()) if positions.numel() else 0
+        return self.frozen.rope.lookup(positions, top)
+
+    def fuse_features(self, layer_states: torch.Tensor) -> torch.Tensor:
+        """layer_states: [N, m, d] (the captured target layers, in layer_ids order) -> [N, d]."""
+        return self.fuse_norm(self.fuse(layer_states.flatten(1).to(self.fuse.weight.dtype)))
+
+    def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """feats: [N, d] fused; positions: [N] -> per draft layer (k, v) [N, kvH, hd]."""
+        rope = self.rope(positions)
+        return [layer.context_kv(feats, rope) for layer in self.layers]
+
+    def embed_block(self, block_ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(block_ids, self.frozen.embed).to(self.fuse.weight.dtype)
+        return x * self.frozen.embed_scale if self.frozen.embed_scale is not None else x
+
+    def backbone(self, block_ids, anchors, ctx_kv, ctx_visible) -> torch.Tensor:
+        """block_ids: [G, A, γ]; anchors: [G, A] anchor positions; ctx_kv: per layer (kc, vc) [G, T, kvH, hd];
+        ctx_visible: [G, A, T] -> h: [G, A, γ, d] after the final norm."""
+        slots = torch.arange(block_ids.shape[-1])
+        rope = self.rope((anchors.unsqueeze(-1) + slots).reshape(-1))
+        x = self.embed_block(block_ids)
+        for layer, (kc, vc) in zip(self.layers, ctx_kv):
+            x = layer(x, rope, kc, vc, ctx_visible)
+        return self.final_norm(x)
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [..., d] -> U: [..., V] fp32 through the frozen target LM head (softcap included)."""
+        logits = F.linear(h, self.frozen.lm_head.to(h.dtype)).float()
+        cap = self.frozen.softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def prev_embedding(self, prev: torch.Tensor) -> torch.Tensor | None:
+        return self.head.prev_embedding(prev) if self.head is not None else None
+
+    def confidence_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """h: [..., d]; prev: [...] the token before each slot -> raw confidence logits [...]."""
+        if self.confidence is None:
+            return None
+        return self.confidence(h, self.prev_embedding(prev))

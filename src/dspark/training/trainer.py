@@ -1,0 +1,225 @@
+"""The training loop: AdamW, warmup + cosine, gradient accumulation, clipping, exact resume, torchrun (gloo).
+
+Exactness across process counts: step s always takes the same `batch_seqs` sequences (a per-epoch permutation),
+split into `grad_accum` micro-batches, each split contiguously over the processes; anchors are drawn per
+(seed, epoch, sequence). The loss of every micro-batch is divided by the denominator of the WHOLE step (known
+from the plans before any forward, all-reduced), and gradients are summed over processes. So 1 process with
+accumulation a·W and W processes with accumulation a compute the same micro-batches and the same sums.
+Resume: the data position is a function of the step, and the optimizer, weights and RNG are in the checkpoint.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..drafters.dspark_checkpoint import save_drafter
+from ..drafters.dspark_model import DrafterArch, DSparkModel, default_layer_ids
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .losses import backward, slot_weights, tau_estimate
+from .packing import load_batch, plan_batch
+from .train_log import CsvLog, progress_bar
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world size); joins the torchrun group (gloo: CPU) when launched by torchrun."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def make_arch(cfg: TrainConfig, target) -> DrafterArch:
+    c, tc = cfg.drafter, target.config
+    dflash = c.type == "dflash"
+    return DrafterArch(drafter_type=c.type, layer_ids=tuple(c.layer_ids) or default_layer_ids(
+        tc.num_layers, c.num_feature_layers), num_layers=c.num_layers, block_size=c.block_size,
+        mask_token_id=c.mask_token_id if c.mask_token_id >= 0 else tc.vocab_size - 1,
+        head="none" if dflash else c.head, rank=0 if dflash or c.head == "none" else c.rank,
+        confidence=c.confidence and not dflash, intermediate_size=c.intermediate_size)
+
+
+def make_source(cfg: TrainConfig, loaded, layer_ids):
+    from .features import OnlineFeatures, load_sequences
+    from .target_cache import CachedFeatures
+
+    if cfg.data.cache:
+        return CachedFeatures(cfg.data.cache, layer_ids, target=loaded.model)
+    if not cfg.data.dataset:
+        raise ValueError("set data.dataset (datagen output) or data.cache (a built target cache)")
+    data = load_sequences(cfg.data.dataset, loaded.tokenizer, cfg.data.max_seq_len, cfg.data.limit)
+    return OnlineFeatures(loaded.model, data, layer_ids, cfg.data.feature_dtype)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, loaded=None, source=None):
+        self.cfg = cfg
+        self.rank, self.world = init_distributed()
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        if loaded is None:
+            from ..models import load_model
+            loaded = load_model(cfg.target.name, cfg.target.dtype)
+        self.loaded, self.target = loaded, loaded.model
+        arch = make_arch(cfg, self.target)
+        self.source = source if source is not None else make_source(cfg, loaded, arch.layer_ids)
+        torch.manual_seed(cfg.run.seed)  # the same initial weights in every process
+        self.model = DSparkModel(arch, self.target)
+        if cfg.drafter.init_from_target:
+            self.model.init_from_target(self.target)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.micro = o.batch_seqs // o.grad_accum
+        if self.micro % self.world:
+            raise ValueError(f"batch_seqs/grad_accum = {self.micro} sequences per micro-batch cannot be split "
+                             f"over {self.world} processes")
+        self.steps_per_epoch = len(self.source) // o.batch_seqs
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"the dataset has {len(self.source)} usable sequences, fewer than one batch "
+                             f"({o.batch_seqs})")
+        self.out = Path(cfg.run.out_dir)
+        self.step, self.totals = 0, {"context_tokens": 0, "slots": 0, "seconds": 0.0}
+        if cfg.run.resume:
+            self._resume()
+
+    # ------------------------------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        o = self.cfg.optim
+        if step < o.warmup_steps:
+            return o.lr * (step + 1) / o.warmup_steps
+        progress = min(1.0, (step - o.warmup_steps) / max(1, o.max_steps - o.warmup_steps))
+        return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def step_sequences(self, step: int) -> tuple[int, list[int]]:
+        """(epoch, the batch_seqs sequence indices of this optimizer step)."""
+        epoch, offset = divmod(step, self.steps_per_epoch)
+        g = torch.Generator().manual_seed(self.cfg.run.seed * 7919 + epoch)
+        order = torch.randperm(len(self.source), generator=g)
+        b = self.cfg.optim.batch_seqs
+        return epoch, order[offset * b: (offset + 1) * b].tolist()
+
+    def my_micro_batches(self, step: int) -> tuple[int, list[list[int]]]:
+        epoch, seqs = self.step_sequences(step)
+        share = self.micro // self.world
+        micro = [seqs[j * self.micro: (j + 1) * self.micro] for j in range(self.cfg.optim.grad_accum)]
+        return epoch, [m[self.rank * share: (self.rank + 1) * share] for m in micro]
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def train_step(self) -> dict:
+        cfg, block = self.cfg, self.model.arch.block_size
+        epoch, micro = self.my_micro_batches(self.step)
+        plans = [plan_batch(self.source, m, epoch, cfg.run.seed, cfg.data.anchors_per_seq, block) for m in micro]
+        weights = slot_weights(block, cfg.loss.decay)
+        # fp64 sums of fp32 weights are exact, so the denominator is bitwise the same however it is split.
+        den = sum(float((p.slot_valid.double() * weights.double()).sum()) for ps in plans for p in ps)
+        den_total = float(self._all_reduce(torch.tensor([den], dtype=torch.float64))[0])
+        alpha = (cfg.loss.ce, cfg.loss.tv, cfg.loss.conf)
+        sums = torch.zeros(5 + 2 * block + 2, dtype=torch.float64)
+        for ps in plans:
+            if not ps:
+                continue
+            batch = load_batch(self.source, ps, block, self.model.arch.mask_token_id)
+            s = backward(self.model, batch, den_total, alpha, cfg.loss.decay, cfg.optim.loss_chunk_blocks)
+            sums += torch.cat([torch.tensor([s["ce"], s["tv"], s["conf"], s["den"], s["top1"]], dtype=torch.float64),
+                               s["accept"].double(), s["count"].double(),
+                               torch.tensor([batch.features.shape[0], int(batch.block_valid.sum())],
+                                            dtype=torch.float64)])
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = self._all_reduce(torch.cat([g.flatten() for g in grads]))
+        at = 0
+        for p, g in zip(self.params, grads):
+            p.grad = flat[at: at + g.numel()].view_as(p).clone()
+            at += g.numel()
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.clip or float("inf")))
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        stats = self._stats(self._all_reduce(sums), block, lr, norm, epoch)
+        stats["loss"] = alpha[0] * stats["ce"] + alpha[1] * stats["tv"] + alpha[2] * stats["conf"]
+        return stats
+
+    @staticmethod
+    def _stats(s: torch.Tensor, block: int, lr: float, norm: float, epoch: int) -> dict:
+        den = max(float(s[3]), 1e-12)
+        accept, count = s[5:5 + block], s[5 + block:5 + 2 * block]
+        out = {"epoch": epoch, "lr": lr, "grad_norm": norm, "ce": float(s[0]) / den, "tv": float(s[1]) / den,
+               "conf": float(s[2]) / den, "top1": float(s[4]) / max(float(count.sum()), 1),
+               "tau_est": tau_estimate(accept, count), "context_tokens": int(s[-2]), "blocks": int(s[-1]),
+               "slots": int(count.sum())}
+        out.update({f"acc{k + 1}": float(a / max(float(c), 1)) for k, (a, c) in enumerate(zip(accept, count))})
+        return out
+
+    # ------------------------------------------------------------------------------------------------
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.out)
+        if path is None:
+            return
+        state = load_checkpoint(path, self.model, self.optimizer)
+        if state["config"]["drafter"] != self.cfg.to_dict()["drafter"]:
+            raise ValueError(f"{path} was trained with another [drafter] section; use a new run.out_dir")
+        self.step, self.totals = state["step"], dict(state["extra"].get("totals", self.totals))
+
+    def save(self) -> Path | None:
+        if self.rank == 0:
+            tok = self.loaded.tokenizer
+            return save_checkpoint(self.out, self.step, self.model, self.target, self.optimizer,
+                                   config=self.cfg.to_dict(), target_name=self.cfg.target.name,
+                                   chat_template=getattr(tok, "chat_template", None),
+                                   extra={"totals": self.totals}, keep=self.cfg.run.keep_checkpoints)
+        return None
+
+    def export(self) -> Path:
+        dtype = getattr(torch, self.cfg.run.export_dtype)
+        return save_drafter(self.out / "drafter", self.model, self.target, target_name=self.cfg.target.name,
+                            chat_template=getattr(self.loaded.tokenizer, "chat_template", None), dtype=dtype,
+                            training={"steps": self.step, **self.totals, "config": self.cfg.to_dict()})
+
+    def run(self) -> dict:
+        cfg, t_start = self.cfg, time.perf_counter()
+        log = CsvLog(self.out / "train_log.csv", self.step) if self.rank == 0 else None
+        bar = progress_bar(cfg.optim.max_steps, self.step, cfg.run.progress and self.rank == 0)
+        stats: dict = {}
+        try:
+            while self.step < cfg.optim.max_steps:
+                t0 = time.perf_counter()
+                stats = self.train_step()
+                dt = time.perf_counter() - t0
+                self.totals["context_tokens"] += stats["context_tokens"]
+                self.totals["slots"] += stats["slots"]
+                self.totals["seconds"] += dt
+                stats.update(step=self.step, step_s=dt, tokens_per_s=stats["context_tokens"] / dt,
+                             slots_per_s=stats["slots"] / dt)
+                bar.update(1)
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['tau_est']:.2f}",
+                                tok_s=f"{stats['tokens_per_s']:.0f}")
+                if log is not None and self.step % cfg.run.log_every == 0:
+                    log.write(stats)
+                if self.step % cfg.run.ckpt_every == 0 or self.step == cfg.optim.max_steps:
+                    self.save()
+                if self._out_of_time(t_start):
+                    self.save()
+                    break
+        finally:
+            bar.close()
+            if log is not None:
+                log.close()
+        exported = self.export() if self.rank == 0 and self.step >= cfg.optim.max_steps else None
+        return {"step": self.step, "drafter": str(exported) if exported else None, "last": stats, **self.totals}
+
+    def _out_of_time(self, t_start: float) -> bool:
+        limit = self.cfg.run.max_time_s
+        stop = torch.tensor([float(limit > 0 and time.perf_counter() - t_start > limit)])
+        return bool(self._all_reduce(stop)[0] > 0)  # all processes stop at the same step

@@ -1,0 +1,85 @@
+"""The embedded SmolLM2-135M: our forward vs transformers, and speculative == plain on real prompts."""
+import pytest
+import torch
+
+from dspark.decoding import SamplingParams
+from dspark.drafters import make_drafter
+from dspark.engine import Generation, TransformerTarget
+from dspark.models import Segment
+from helpers import bench_prompts, chat_ids
+
+MAX_NEW = 48
+
+
+class RecordingTarget(TransformerTarget):
+    """Keeps the last-row logits of every forward: in plain decoding, the logits that chose each token."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.rows = []
+
+    def forward(self, state, start, tokens):
+        logits = super().forward(state, start, tokens)
+        self.rows.append(logits[-1].clone())
+        return logits
+
+
+def run(target, drafter, ids, params, eos):
+    return [t for chunk in Generation(target, drafter, ids, params, eos) for t in chunk]
+
+
+def test_logits_match_transformers_reading_the_gguf_itself(smollm2):
+    """transformers de-quantises the GGUF with its own converter: an independent check of ours too."""
+    from transformers import AutoModelForCausalLM
+    from dspark.models.loader import EMBEDDED, embedded_path
+
+    path = embedded_path("smollm2-135m-instruct")
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.tensor(chat_ids(smollm2.tokenizer, "Name three prime numbers and explain why."))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    ours = smollm2.model.forward(ids, [Segment(smollm2.model.new_cache(), 0, len(ids))]).logits
+    diff = float((ours - ref).abs().max() / ref.abs().max())
+    print(f"SmolLM2-135M max relative logit difference vs transformers: {diff:.2e}")
+    assert diff < 1e-3
+    assert torch.equal(ours[-1].argmax(), ref[-1].argmax())
+
+
+def test_greedy_ngram_speculation_equals_plain_decoding(smollm2, bench_data):
+    """20 real prompts: token-identical, or the first divergence is a float near-tie (top-2 gap < 1e-4)."""
+    model, eos = smollm2.model, smollm2.eos_ids
+    drafter = make_drafter("ngram", gamma=7)
+    greedy = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
+    prompts = bench_prompts(5)
+    assert len(prompts) >= 20
+    identical, accepted = 0, 0
+    for text in prompts:
+        ids = chat_ids(smollm2.tokenizer, text)
+        recorder = RecordingTarget(model)
+        plain = run(recorder, None, ids, greedy, eos)
+        gen = Generation(TransformerTarget(model), drafter, ids, greedy, eos)
+        spec = [t for chunk in gen for t in chunk]
+        accepted += gen.stats.accepted
+        if spec == plain:
+            identical += 1
+            continue
+        i = next(k for k, (a, b) in enumerate(zip(spec, plain)) if a != b) if spec[:len(plain)] != plain[:len(spec)] \
+            else min(len(spec), len(plain))
+        top2 = recorder.rows[i].topk(2).values
+        gap = float(top2[0] - top2[1])
+        print(f"divergence at token {i}: top-2 logit gap {gap:.2e}")
+        assert gap < 1e-4, f"outputs diverge at token {i} although the top-2 gap is {gap}"
+    print(f"{identical}/{len(prompts)} identical; {accepted} drafts accepted")
+    assert accepted > 0  # the comparison must actually exercise multi-token verification
+    assert identical >= len(prompts) - 2
+
+
+@pytest.mark.parametrize("drafter_name", ["none", "ngram"])
+def test_same_seed_same_output(smollm2, drafter_name):
+    drafter = make_drafter(drafter_name, gamma=5)
+    target = TransformerTarget(smollm2.model)
+    ids = chat_ids(smollm2.tokenizer, "Write a short poem about the sea, then repeat it.")
+    outs = [run(target, drafter, ids, SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=40, seed=s),
+                smollm2.eos_ids) for s in (11, 11, 12)]
+    assert outs[0] == outs[1]
+    assert outs[0] != outs[2]
