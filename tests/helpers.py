@@ -53,11 +53,11 @@ def hf_model(kind: str, seed: int = 0):
     return model
 
 
-def ours_from_hf(model, decode_copy: bool | None = None):
+def ours_from_hf(model, fast_kernels: bool | None = None):
     raw = json.loads(model.config.to_json_string())
     config = parse_hf_config(raw)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return build_transformer(config, state, torch.float32, decode_copy=decode_copy)
+    return build_transformer(config, state, torch.float32, fast_kernels=fast_kernels)
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:

@@ -34,11 +34,11 @@ def test_prefill_matches_transformers(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("decode_copy", [False, True])
-def test_ragged_batch_with_caches_and_rollback(kind, decode_copy):
+@pytest.mark.parametrize("fast_kernels", [False, True])
+def test_ragged_batch_with_caches_and_rollback(kind, fast_kernels):
     """Three requests advanced in mixed chunks inside shared flattened forwards, with a rollback."""
     hf = hf_model(kind)
-    ours = ours_from_hf(hf, decode_copy=decode_copy)
+    ours = ours_from_hf(hf, fast_kernels=fast_kernels)
     g = torch.Generator().manual_seed(2)
     vocab = TINY[kind]["vocab_size"]
     seqs = [torch.randint(0, vocab, (n,), generator=g) for n in (17, 9, 12)]

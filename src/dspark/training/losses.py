@@ -95,7 +95,7 @@ def backward(model: DSparkModel, batch: Batch, den_total: float, alpha, decay: f
         terms = block_terms(model, hd[part], prev[part], labels[part], valid[part], th[part], weights)
         combine(terms, den_total, alpha).backward()
         for k in STAT_KEYS:
-            stats[k] += float(terms[k]) if k not in ("den", "top1") else terms[k]
+            stats[k] += terms[k].item() if torch.is_tensor(terms[k]) else terms[k]
         stats["accept"] += terms["accept"]
         stats["count"] += terms["count"]
     if hd.grad is not None:
