@@ -1,0 +1,121 @@
+"""Bad input gets one clear error and loses nothing."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from dspark.cli import main
+from dspark.decoding import SamplingParams
+from dspark.drafters import DrafterError, make_drafter
+from dspark.engine import Generation, PromptTooLongError, TransformerTarget
+from dspark.models import ModelNotFoundError, load_model, resolve
+from dspark.models.config import ModelConfigError
+from dspark.models.gguf_convert import GGUFError, read_gguf
+from dspark.models.weights import WeightsError, read_safetensors
+from helpers import hf_model, ours_from_hf
+
+
+def test_unknown_model_names_what_is_accepted(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="smollm2-135m-instruct"):
+        resolve("no-such-model")
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        resolve(str(tmp_path))  # a directory, but not a model
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    with pytest.raises(ModelConfigError, match="supported: llama, qwen3, gemma3_text"):
+        load_model(str(tmp_path))
+
+
+def _save_tiny(tmp_path):
+    model = hf_model("llama")
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return tmp_path / "model.safetensors"
+
+
+def test_truncated_safetensors_is_reported(tmp_path):
+    weights = _save_tiny(tmp_path)
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(WeightsError, match="corrupt or truncated"):
+        read_safetensors(tmp_path)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+    weights = _save_tiny(tmp_path)
+    tensors = load_file(str(weights))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(weights))
+    with pytest.raises(WeightsError, match="model.layers.1.mlp.down_proj.weight"):
+        load_model(str(tmp_path))
+
+
+def test_truncated_gguf_is_reported(tmp_path):
+    from dspark.models.loader import embedded_path
+    bad = tmp_path / "cut.gguf"
+    with open(embedded_path("smollm2-135m-instruct"), "rb") as f:
+        bad.write_bytes(f.read(1 << 20))
+    with pytest.raises(GGUFError, match="not a readable GGUF"):
+        read_gguf(bad)
+
+
+def test_prompt_longer_than_context_fails_before_compute():
+    target = TransformerTarget(ours_from_hf(hf_model("llama")))  # context 256
+    with pytest.raises(PromptTooLongError, match="context window is 256"):
+        Generation(target, None, list(range(300)), SamplingParams())
+
+
+def test_generation_stops_at_the_context_end():
+    target = TransformerTarget(ours_from_hf(hf_model("llama")))
+    gen = Generation(target, make_drafter("ngram", gamma=4), [1, 2, 3] * 80, SamplingParams(max_new_tokens=100))
+    out = [t for chunk in gen for t in chunk]
+    assert len(out) == 256 - 240 and gen.stats.finish_reason == "length"
+
+
+def test_unknown_drafter_lists_valid_names(tmp_path):
+    with pytest.raises(DrafterError, match="none, ngram"):
+        make_drafter("eagle9")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(DrafterError, match="drafter_type"):
+        make_drafter(str(tmp_path))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["generate", "--prompt", "x", "--top-p", "0"], "top_p"),
+    (["generate", "--prompt", "x", "--top-k", "-2"], "top_k"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["generate", "--prompt", "x", "--model", "/nonexistent/model"], "unknown model"),
+    (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "No such file"),
+])
+def test_cli_reports_bad_input_in_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and "\n" not in err
+
+
+def test_ctrl_c_exits_cleanly(monkeypatch, capsys):
+    import dspark.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "run_generate", interrupted)  # the parser binds it when main() builds it
+    assert cli.main(["generate", "--prompt", "x"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_stale_conversion_cache_is_rebuilt(tmp_path, monkeypatch):
+    """A half-written or tampered conversion is detected by its manifest and redone, never used."""
+    from dspark.models import loader
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    gguf = loader.embedded_path("smollm2-135m-instruct")
+    first = loader.convert_gguf(gguf)
+    weights = first / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # simulate a torn file
+    again = loader.convert_gguf(gguf)
+    assert again == first and (again / "model.safetensors").stat().st_size > 100_000_000
+    assert read_safetensors(again)["model.norm.weight"].shape == (576,)
+    shutil.rmtree(tmp_path / "models")
