@@ -110,15 +110,56 @@ def run_models(args) -> int:
     return 0
 
 
+def add_profile(sub) -> None:
+    p = sub.add_parser("profile", help="measure (or show the cached) target speed profile SPS(B) on this machine",
+                       description="Time one verification forward against the number of tokens B; the table is "
+                                   "cached per model, drafter, machine and dtype for the scheduler.")
+    _add_model_args(p)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--force", action="store_true", help="re-measure even if a matching cached profile exists")
+    p.set_defaults(func=run_profile)
+
+
+def run_profile(args) -> int:
+    from .engine.profiling import load_or_profile, profile_key, profile_path
+    from .models import load_model
+
+    loaded = load_model(args.model, dtype=args.dtype)
+    key = profile_key(args.model, args.dtype)
+    prof = load_or_profile(loaded.model, key, repeats=args.repeats, force=args.force)
+    print(f"# speed profile ({prof.source}) cached at {profile_path(key)}")
+    print("tokens\tms/step\tsteps/s")
+    for b, s in zip(prof.tokens, prof.seconds):
+        print(f"{b}\t{s * 1000:.1f}\t{1 / s:.2f}")
+    return 0
+
+
+def add_simulate(sub) -> None:
+    # main() hands everything after `simulate` to the simulator's own parser; this entry is for the listing.
+    p = sub.add_parser("simulate", help="serving simulator sweep over scheduling policies",
+                       description="Run `dspark simulate --help` for the simulator's options.")
+    p.set_defaults(func=lambda args: _simulate([]))
+
+
+def _simulate(argv) -> int:
+    from .scheduling.simulator import main as simulate
+
+    simulate(argv)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="Lossless confidence-scheduled speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (add_generate, add_bench, add_models):
+    for add in (add_generate, add_bench, add_models, add_profile, add_simulate):
         add(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["simulate"]:
+        return _simulate(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -74,6 +74,7 @@ class DSparkDrafter(Drafter):
         for c, first in zip(ctxs, firsts):
             if not 0 <= first <= c.length:
                 raise DrafterError(f"observe(start={first}) would leave a gap after {c.length} observed tokens")
+            c.truncate(first)  # a rollback, or a no-op when appending
         rows = torch.cat([torch.arange(o, o + n) for o, n in zip(offsets, counts)])  # [M]
         if rows.numel() == 0:
             return

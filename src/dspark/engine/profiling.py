@@ -1,0 +1,63 @@
+"""Measure this machine's speed profile SPS(B) for a target, and cache it (scheduling/profile.py keys it).
+
+A step over B tokens is timed the way the engine will run it: B tokens spread over several requests, each
+with a warm 256-token context, so per-request attention overhead is part of the price of a token.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..models.loader import cache_root
+from ..models.transformer import Segment, Transformer
+from ..scheduling.profile import ProfileKey, SpeedProfile, current_machine, measure_profile
+from ..scheduling.profile_io import load_or_measure
+
+PROFILE_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+CONTEXT = 256
+TOKENS_PER_REQUEST = 4  # a typical steady-state request verifies its anchor plus a few drafts
+
+
+def _split(b: int) -> list[int]:
+    requests = max(1, b // TOKENS_PER_REQUEST)
+    base, extra = divmod(b, requests)
+    return [base + (1 if i < extra else 0) for i in range(requests)]
+
+
+def target_step_fn(model: Transformer):
+    """step_fn(B): one verify forward over B tokens, caches pre-filled and rolled back after each call."""
+    caches: list = []
+
+    def step(b: int) -> None:
+        parts = _split(b)
+        while len(caches) < len(parts):
+            cache = model.new_cache(CONTEXT + 128)
+            model.forward(torch.arange(CONTEXT) % model.config.vocab_size, [Segment(cache, 0, CONTEXT)])
+            caches.append(cache)
+        segments = [Segment(c, CONTEXT, n) for c, n in zip(caches, parts)]
+        model.forward(torch.zeros(b, dtype=torch.long), segments)
+        for c in caches[: len(parts)]:
+            c.truncate(CONTEXT)
+
+    return step
+
+
+def profile_key(model_id: str, dtype: str, drafter_id: str = "none") -> ProfileKey:
+    return ProfileKey(model_id=model_id, drafter_id=drafter_id, machine=current_machine(), dtype=dtype)
+
+
+def profile_path(key: ProfileKey) -> Path:
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{key.model_id}-{key.drafter_id}-{key.dtype}")
+    return cache_root() / "profiles" / f"{safe}.json"
+
+
+def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 5, force: bool = False) -> SpeedProfile:
+    """The cached profile for this key, or a fresh measurement (a mismatched cache warns and re-profiles)."""
+    def measure() -> SpeedProfile:
+        return measure_profile(target_step_fn(model), PROFILE_TOKENS, repeats=repeats, key=key)
+
+    path = profile_path(key)
+    if force and path.exists():
+        path.unlink()
+    return load_or_measure(path, key, measure)
