@@ -57,3 +57,18 @@ def write_prompts(path: Path, n: int, bad_lines: dict[int, str] | None = None) -
         lines.insert(number - 1, text)
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def random_dataset(path: Path, n: int, seed: int = 0, vocab: int = VOCAB, lengths=(20, 60)) -> Path:
+    """Pre-tokenised sequences: a prompt part (mask 0) then one or two assistant spans (mask 1)."""
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            length = int(torch.randint(*lengths, (1,), generator=g))
+            ids = torch.randint(2, vocab - 1, (length,), generator=g).tolist()
+            start = int(torch.randint(2, length // 2, (1,), generator=g))
+            mask = [0] * start + [1] * (length - start)
+            if length > 40:  # a second user turn inside: a masked gap
+                mask[start + 10: start + 14] = [0] * 4
+            f.write(json.dumps({"input_ids": ids, "loss_mask": mask}) + "\n")
+    return path

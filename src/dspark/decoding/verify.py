@@ -43,6 +43,9 @@ def _point_mass(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def _stop_mask(tokens: torch.Tensor, stop_ids: torch.Tensor | None) -> torch.Tensor:
+    """stop_ids: shared stop tokens [S], or a per-request precomputed bool mask [R, γ]."""
+    if stop_ids is not None and stop_ids.dtype == torch.bool:
+        return stop_ids
     if stop_ids is None or stop_ids.numel() == 0:
         return torch.zeros_like(tokens, dtype=torch.bool)
     return torch.isin(tokens, stop_ids)

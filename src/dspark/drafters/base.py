@@ -53,6 +53,11 @@ class Drafter(ABC):
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         """Draft up to γ tokens for every request."""
 
+    def observe(self, request: DraftRequest, hidden: dict[int, torch.Tensor]) -> None:
+        """Target hidden states {layer: [n, d]} of the n tokens just committed to the target cache, in
+        position order (prompt chunks, then each round's anchor + accepted drafts). Model-free drafters
+        ignore them."""
+
     def release(self, request: DraftRequest) -> None:
         """Free per-request resources (the default drafter keeps none)."""
         request.state.clear()

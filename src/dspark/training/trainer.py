@@ -200,8 +200,8 @@ class Trainer:
                 self.totals["context_tokens"] += stats["context_tokens"]
                 self.totals["slots"] += stats["slots"]
                 self.totals["seconds"] += dt
-                stats.update(step=self.step, step_s=dt, tokens_per_s=stats["context_tokens"] / dt,
-                             slots_per_s=stats["slots"] / dt)
+                stats = {"step": self.step, **stats, "step_s": dt, "tokens_per_s": stats["context_tokens"] / dt,
+                         "slots_per_s": stats["slots"] / dt, "elapsed_s": self.totals["seconds"]}
                 bar.update(1)
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['tau_est']:.2f}",
                                 tok_s=f"{stats['tokens_per_s']:.0f}")

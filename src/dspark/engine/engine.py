@@ -1,0 +1,209 @@
+"""Continuous-batching engine: each step drafts for every running request, lets the policy choose how many
+drafts each verifies, runs ONE flattened target forward (verification blocks and prefill chunks together),
+verifies, commits or rolls back, and streams.
+
+    step:  reap aborted → admit (KV budget) → draft → select ℓ → forward → verify → commit & stream
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..decoding import SamplingParams
+from ..decoding.batch import verify_requests
+from ..drafters.base import Drafter
+from ..models.transformer import Segment, Transformer
+from .detok import update_text
+from .request import Request, RequestOutput, Status
+from .step_plan import StepPlan, plan_step
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the context or the KV budget)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    gamma: int = 7
+    max_running: int = 64
+    kv_budget_tokens: int | None = None  # None: derived from kv_budget_gb
+    kv_budget_gb: float = 4.0
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        if self.gamma < 1 or self.max_running < 1 or self.prefill_chunk < 1:
+            raise ValueError("gamma, max_running and prefill_chunk must be >= 1")
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer, drafter: Drafter | None, policy, eos_ids=(),
+                 config: EngineConfig = EngineConfig()):
+        self.model, self.tokenizer, self.drafter, self.policy = model, tokenizer, drafter, policy
+        self.config, self.eos_ids = config, tuple(eos_ids)
+        c = model.config
+        per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.embed.element_size()
+        self.kv_budget = config.kv_budget_tokens or int(config.kv_budget_gb * 2**30 // per_token)
+        self.kv_reserved = 0
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.last_plan: StepPlan | None = None
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, prompt: list[int], params: SamplingParams, stop_strings=(), request_id=None) -> Request:
+        if not prompt:
+            raise RequestRejected("the prompt is empty")
+        if len(prompt) >= self.model.config.max_position:
+            raise RequestRejected(f"prompt has {len(prompt)} tokens; the context window is "
+                                  f"{self.model.config.max_position}")
+        req = Request(prompt=list(prompt), params=params, stop_strings=tuple(stop_strings))
+        if request_id is not None:
+            req.request_id = request_id
+        if self._positions(req) > self.kv_budget:
+            raise RequestRejected(f"request needs {self._positions(req)} KV positions (prompt + max_tokens); "
+                                  f"the engine's KV budget is {self.kv_budget}")
+        self.waiting.append(req)
+        self.requests[req.request_id] = req
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.aborted = True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _positions(self, req: Request) -> int:
+        return min(req.needed_positions(self.config.gamma), self.model.config.max_position)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_running:
+            req = self.waiting[0]
+            need = self._positions(req)
+            if self.kv_reserved + need > self.kv_budget:
+                return  # wait until running requests free their KV
+            self.waiting.popleft()
+            req.reserved, self.kv_reserved = need, self.kv_reserved + need
+            req.cache = self.model.new_cache(capacity=need)
+            req.status = Status.PREFILL
+            self.running.append(req)
+
+    def _release(self, req: Request) -> None:
+        self.kv_reserved -= req.reserved
+        req.reserved = 0
+        if self.drafter is not None:
+            self.drafter.release(req.draft)
+        self.requests.pop(req.request_id, None)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        outputs = self._reap_aborted()
+        self._admit()
+        if not self.running:
+            return outputs
+        plan = plan_step(self.running, self.drafter, self.policy, self.config, self.model.config.max_position)
+        self.last_plan = plan
+        try:
+            out = self.model.forward(plan.tokens, plan.segments, logit_rows=plan.logit_rows,
+                                     hidden_layers=self.drafter.needs_layers if self.drafter else ())
+        except Exception as exc:  # a failed shared forward fails the requests in it, not the engine
+            for req in plan.decoding + plan.prefilling:
+                self._fail(req, exc, outputs)
+            return outputs
+        outputs += self._commit_decoding(plan, out)
+        outputs += self._commit_prefill(plan, out)
+        self.running = [r for r in self.running if not r.finished]
+        return outputs
+
+    def _reap_aborted(self) -> list[RequestOutput]:
+        outs = []
+        for req in [r for r in [*self.waiting, *self.running] if r.aborted]:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            else:
+                self.running.remove(req)
+            req.finish("abort")
+            self._release(req)
+            outs.append(RequestOutput(req.request_id, [], "", True, "abort", req))
+        return outs
+
+    def _commit_decoding(self, plan: StepPlan, out) -> list[RequestOutput]:
+        if not plan.decoding:
+            return []
+        reqs = plan.decoding
+        logits = [out.logits[rows] for rows in plan.decode_logit_rows]
+        stop_mask = torch.stack([self._stop_mask(r, plan.drafts[i]) for i, r in enumerate(reqs)])
+        result = verify_requests(logits, plan.drafts, plan.lengths, plan.draft_probs, [r.params for r in reqs],
+                                 [r.generator for r in reqs], stop_mask)
+        outputs = []
+        for i, req in enumerate(reqs):
+            try:
+                a = int(result.accepted[i])
+                req.cache.truncate(len(req.prompt) + len(req.output) + a)  # anchor + accepted drafts stay
+                req.rounds, req.drafted, req.accepted = req.rounds + 1, req.drafted + int(plan.lengths[i]), req.accepted + a
+                req.accepted_hist.append(a)
+                self._observe(req, out, plan.decode_token_rows[i][: a + 1])
+                outputs.append(self._emit(req, result.emitted(plan.drafts, i)))
+            except Exception as exc:
+                self._fail(req, exc, outputs)
+        return outputs
+
+    def _commit_prefill(self, plan: StepPlan, out) -> list[RequestOutput]:
+        outputs = []
+        for req, rows, logit_row in zip(plan.prefilling, plan.prefill_token_rows, plan.prefill_logit_rows):
+            try:
+                req.prefilled += len(rows)
+                self._observe(req, out, rows)
+                if logit_row is None:
+                    continue  # more prompt chunks to go
+                empty = torch.zeros(1, 0, dtype=torch.long)
+                first = verify_requests([out.logits[logit_row: logit_row + 1]], empty, torch.zeros(1, dtype=torch.long),
+                                        None, [req.params], [req.generator], torch.zeros(1, 0, dtype=torch.bool))
+                req.status = Status.DECODE
+                outputs.append(self._emit(req, [int(first.next_token[0])]))
+            except Exception as exc:
+                self._fail(req, exc, outputs)
+        return outputs
+
+    # ------------------------------------------------------------------ helpers
+    def _stop_ids(self, req: Request) -> set[int]:
+        return set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.eos_ids))
+
+    def _stop_mask(self, req: Request, drafts: torch.Tensor) -> torch.Tensor:
+        stops = self._stop_ids(req)
+        return torch.tensor([int(t) in stops for t in drafts.tolist()], dtype=torch.bool)
+
+    def _observe(self, req: Request, out, rows) -> None:
+        if self.drafter is not None and out.hidden and len(rows):
+            index = torch.as_tensor(rows)
+            self.drafter.observe(req.draft, {layer: h[index] for layer, h in out.hidden.items()})
+
+    def _emit(self, req: Request, tokens: list[int]) -> RequestOutput:
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        stops, before = self._stop_ids(req), len(req.output)
+        chunk, reason = tokens[: req.params.max_new_tokens - before], None
+        for j, t in enumerate(chunk):
+            if t in stops:
+                chunk, reason = chunk[: j + 1], "stop"
+                break
+        req.output.extend(chunk)
+        req.draft.tokens.extend(chunk)
+        piece, stop_hit = update_text(req, self.tokenizer, len(chunk)) if self.tokenizer else ("", False)
+        reason = "stop" if stop_hit else reason
+        if reason is None and (len(req.output) >= req.params.max_new_tokens
+                               or req.num_tokens >= self.model.config.max_position):
+            reason = "length"
+        if reason:
+            req.finish(reason)
+            self._release(req)
+        return RequestOutput(req.request_id, req.output[before:], piece, req.finished, req.finish_reason, req)
+
+    def _fail(self, req: Request, exc: Exception, outputs: list) -> None:
+        req.finish("error", f"{type(exc).__name__}: {exc}")
+        self._release(req)
+        outputs.append(RequestOutput(req.request_id, [], "", True, "error", req))

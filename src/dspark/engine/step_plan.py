@@ -1,0 +1,82 @@
+"""Plan one engine step: draft, choose verification lengths, and lay every request's tokens end to end."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..models.transformer import Segment
+from .request import Request, Status
+
+
+@dataclass
+class StepPlan:
+    tokens: torch.Tensor  # [N] all tokens of this step's forward
+    segments: list[Segment]
+    logit_rows: torch.Tensor  # [M] rows of N whose logits are needed
+    decoding: list[Request] = field(default_factory=list)
+    drafts: torch.Tensor | None = None  # [R, γ]
+    lengths: torch.Tensor | None = None  # [R] ℓ_r chosen by the policy
+    draft_probs: torch.Tensor | None = None  # [R, γ, V] or None (point masses)
+    confidences: np.ndarray | None = None  # [R, γ]
+    decode_logit_rows: list[slice] = field(default_factory=list)  # per decoding request, into the M logits
+    decode_token_rows: list[list[int]] = field(default_factory=list)  # per decoding request, into N
+    prefilling: list[Request] = field(default_factory=list)
+    prefill_token_rows: list[list[int]] = field(default_factory=list)
+    prefill_logit_rows: list[int | None] = field(default_factory=list)  # into M; None = prompt not done
+
+    @property
+    def verified_tokens(self) -> int:
+        return int(self.lengths.sum()) + len(self.decoding) if self.decoding else 0
+
+
+def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: int):
+    R = len(decoding)
+    drafts, lengths = torch.zeros(R, gamma, dtype=torch.long), torch.zeros(R, dtype=torch.long)
+    if drafter is None or not policy.prepare(R):
+        policy.select(None, n_requests=R, gamma=gamma)  # keeps stateful policies in step
+        return drafts, lengths, None, None
+    proposal = drafter.propose([r.draft for r in decoding])
+    conf = None if proposal.confidences is None else proposal.confidences.double().numpy()
+    chosen = torch.as_tensor(np.asarray(policy.select(conf, n_requests=R, gamma=gamma)), dtype=torch.long)
+    room = torch.tensor([min(r.params.max_new_tokens - len(r.output), max_position - r.num_tokens) - 1
+                         for r in decoding])  # tokens a round may add beyond the anchor
+    lengths = torch.minimum(torch.minimum(chosen, proposal.num_tokens), room.clamp(min=0))
+    return proposal.tokens[:, :gamma], lengths, proposal.probs, conf
+
+
+def plan_step(running: list[Request], drafter, policy, config, max_position: int) -> StepPlan:
+    decoding = [r for r in running if r.status is Status.DECODE]
+    prefilling = [r for r in running if r.status is Status.PREFILL]
+    drafts, lengths, probs, conf = _draft(decoding, drafter, policy, config.gamma, max_position)
+    pieces, segments, logit_rows = [], [], []
+    plan = StepPlan(tokens=torch.empty(0), segments=segments, logit_rows=torch.empty(0), decoding=decoding,
+                    drafts=drafts, lengths=lengths, draft_probs=probs, confidences=conf)
+    n = 0
+    for i, req in enumerate(decoding):
+        block = [req.output[-1], *drafts[i, : int(lengths[i])].tolist()]  # anchor, then ℓ drafts
+        segments.append(Segment(req.cache, req.num_tokens - 1, len(block)))
+        pieces.append(block)
+        plan.decode_logit_rows.append(slice(len(logit_rows), len(logit_rows) + len(block)))
+        plan.decode_token_rows.append(list(range(n, n + len(block))))
+        logit_rows += range(n, n + len(block))
+        n += len(block)
+    budget = config.prefill_chunk
+    for req in prefilling:
+        take = min(len(req.prompt) - req.prefilled, budget)
+        if take <= 0:
+            continue
+        budget -= take
+        segments.append(Segment(req.cache, req.prefilled, take))
+        pieces.append(req.prompt[req.prefilled: req.prefilled + take])
+        plan.prefilling.append(req)
+        plan.prefill_token_rows.append(list(range(n, n + take)))
+        done = req.prefilled + take == len(req.prompt)
+        plan.prefill_logit_rows.append(len(logit_rows) if done else None)
+        if done:
+            logit_rows.append(n + take - 1)
+        n += take
+    plan.tokens = torch.tensor([t for p in pieces for t in p], dtype=torch.long)
+    plan.logit_rows = torch.tensor(logit_rows, dtype=torch.long)
+    return plan

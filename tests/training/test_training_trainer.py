@@ -1,0 +1,92 @@
+"""Trainer: config validation, exact resume, torchrun (2 processes, gloo) = 1 process, end-to-end drafter."""
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dspark.models import load_model
+from dspark.training.config import ConfigError, config_from_dict, load_config
+from dspark.training.trainer import Trainer
+from tiny_target import make_target_dir, random_dataset
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = make_target_dir(root / "target")
+    return root, target, random_dataset(root / "data.jsonl", 16, seed=2)
+
+
+def raw_config(env, out, **optim):
+    root, target, data = env
+    return {"target": {"name": str(target)},
+            "drafter": {"layer_ids": [0, 1, 2], "num_layers": 2, "block_size": 4, "rank": 8, "head": "markov"},
+            "data": {"dataset": str(data), "anchors_per_seq": 6, "max_seq_len": 64, "feature_dtype": "bfloat16"},
+            "optim": {"batch_seqs": 4, "max_steps": 4, "warmup_steps": 2, "lr": 3e-3, "loss_chunk_blocks": 5,
+                      **optim},
+            "run": {"out_dir": str(out), "ckpt_every": 100, "progress": False, "threads": 1}}
+
+
+def weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_config_rejects_unknown_keys_and_bad_types(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['lrr'\] in \[optim\]"):
+        config_from_dict({"optim": {"lrr": 1.0}})
+    with pytest.raises(ConfigError, match="unknown key"):
+        config_from_dict({"optimizer": {}})
+    with pytest.raises(ConfigError, match="optim.max_steps must be of type int"):
+        config_from_dict({}, ["optim.max_steps=1.5"])
+    path = tmp_path / "c.toml"
+    path.write_text('[optim]\nlr = 1e-3\n[drafter]\nlayer_ids = [1, 2]\n')
+    cfg = load_config(path, ["optim.lr=2e-3", "run.out_dir=/tmp/x y", "drafter.confidence=false"])
+    assert cfg.optim.lr == 2e-3 and cfg.drafter.layer_ids == (1, 2) and cfg.run.out_dir == "/tmp/x y"
+    assert cfg.drafter.confidence is False
+    with pytest.raises(AttributeError):
+        cfg.optim.lr = 1.0  # frozen
+
+
+def test_resume_equals_uninterrupted_training(env, tmp_path):
+    loaded = load_model(str(env[1]))
+    full = Trainer(config_from_dict(raw_config(env, tmp_path / "full")), loaded=loaded)
+    full.run()
+    part = Trainer(config_from_dict(raw_config(env, tmp_path / "part")), loaded=loaded)
+    part.train_step()
+    part.train_step()
+    part.save()
+    del part
+    resumed = Trainer(config_from_dict(raw_config(env, tmp_path / "part")), loaded=loaded)
+    assert resumed.step == 2
+    torch.manual_seed(1234)  # resume must not depend on the RNG state of the new process
+    summary = resumed.run()
+    assert summary["step"] == 4
+    a, b = weights(tmp_path / "full" / "drafter"), weights(tmp_path / "part" / "drafter")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    steps = lambda run: [r["step"] for r in csv.DictReader(open(tmp_path / run / "train_log.csv"))]  # noqa
+    assert steps("full") == ["1", "2", "3", "4"] and steps("part") == ["3", "4"]
+
+
+def test_torchrun_two_processes_match_one(env, tmp_path):
+    if shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None:
+        pytest.skip("torchrun is not installed next to this Python")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    one.write_text(json.dumps(raw_config(env, tmp_path / "run1", grad_accum=2, max_steps=3)))
+    two.write_text(json.dumps(raw_config(env, tmp_path / "run2", grad_accum=1, max_steps=3)))
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "dspark.training", "train", "--config", str(one)], check=True,
+                   env=environment, capture_output=True)
+    done = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "0", "-m", "dspark.training", "train",
+                           "--config", str(two)], env=environment, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = weights(tmp_path / "run1" / "drafter"), weights(tmp_path / "run2" / "drafter")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
