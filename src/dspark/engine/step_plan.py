@@ -34,6 +34,8 @@ class StepPlan:
 def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: int):
     R = len(decoding)
     drafts, lengths = torch.zeros(R, gamma, dtype=torch.long), torch.zeros(R, dtype=torch.long)
+    if R == 0:  # nothing to draft for; stateful policies must not record an empty step
+        return drafts, lengths, None, None
     if drafter is None or not policy.prepare(R):
         policy.select(None, n_requests=R, gamma=gamma)  # keeps stateful policies in step
         return drafts, lengths, None, None
