@@ -18,6 +18,7 @@ from ..drafters.base import Drafter
 from ..models.transformer import Segment, Transformer
 from .detok import update_text
 from .request import Request, RequestOutput, Status
+from .stats import EngineStats
 from .step_plan import StepPlan, plan_step
 
 
@@ -51,6 +52,7 @@ class Engine:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.last_plan: StepPlan | None = None
+        self.stats = EngineStats(gamma=config.gamma)
 
     # ------------------------------------------------------------------ intake
     def add_request(self, prompt: list[int], params: SamplingParams, stop_strings=(), request_id=None) -> Request:
@@ -101,6 +103,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         outputs = self._reap_aborted()
         self._admit()
         if not self.running:
@@ -117,6 +120,8 @@ class Engine:
         outputs += self._commit_decoding(plan, out)
         outputs += self._commit_prefill(plan, out)
         self.running = [r for r in self.running if not r.finished]
+        verified = int(plan.lengths.sum()) if plan.decoding else 0
+        self.stats.record_step(time.perf_counter() - t0, len(plan.decoding), verified)
         return outputs
 
     def _reap_aborted(self) -> list[RequestOutput]:
@@ -128,6 +133,7 @@ class Engine:
                 self.running.remove(req)
             req.finish("abort")
             self._release(req)
+            self.stats.record_finish("abort")
             outs.append(RequestOutput(req.request_id, [], "", True, "abort", req))
         return outs
 
@@ -146,6 +152,7 @@ class Engine:
                 req.cache.truncate(len(req.prompt) + len(req.output) + a)  # anchor + accepted drafts stay
                 req.rounds, req.drafted, req.accepted = req.rounds + 1, req.drafted + int(plan.lengths[i]), req.accepted + a
                 req.accepted_hist.append(a)
+                self.stats.record_round(int(plan.lengths[i]), a)
                 self._observe(req, out, plan.decode_token_rows[i][: a + 1])
                 outputs.append(self._emit(req, result.emitted(plan.drafts, i)))
             except Exception as exc:
@@ -157,6 +164,7 @@ class Engine:
         for req, rows, logit_row in zip(plan.prefilling, plan.prefill_token_rows, plan.prefill_logit_rows):
             try:
                 req.prefilled += len(rows)
+                self.stats.prompt_tokens += len(rows)
                 self._observe(req, out, rows)
                 if logit_row is None:
                     continue  # more prompt chunks to go
@@ -193,6 +201,7 @@ class Engine:
                 break
         req.output.extend(chunk)
         req.draft.tokens.extend(chunk)
+        self.stats.generation_tokens += len(chunk)
         piece, stop_hit = update_text(req, self.tokenizer, len(chunk)) if self.tokenizer else ("", False)
         reason = "stop" if stop_hit else reason
         if reason is None and (len(req.output) >= req.params.max_new_tokens
@@ -201,9 +210,11 @@ class Engine:
         if reason:
             req.finish(reason)
             self._release(req)
+            self.stats.record_finish(reason)
         return RequestOutput(req.request_id, req.output[before:], piece, req.finished, req.finish_reason, req)
 
     def _fail(self, req: Request, exc: Exception, outputs: list) -> None:
         req.finish("error", f"{type(exc).__name__}: {exc}")
         self._release(req)
+        self.stats.record_finish("error")
         outputs.append(RequestOutput(req.request_id, [], "", True, "error", req))
