@@ -80,6 +80,18 @@ def add_bench(sub) -> None:
     r.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
     r.add_argument("--out", type=Path, default=Path("results/runtime"))
     r.set_defaults(func=run_bench_runtime)
+    s = bench.add_parser("serve", help="closed-loop serving throughput vs per-user speed for each policy",
+                         description="In-process closed-loop clients at each concurrency, for each policy; "
+                                     "writes results/serving/serving.{json,md,png}.")
+    _add_model_args(s)
+    s.add_argument("--drafter", default="ngram")
+    s.add_argument("--policies", default="none,mtp1,fixed-3,fixed-7")
+    s.add_argument("--concurrency", default="1,2,4,8,16,32")
+    s.add_argument("--max-new-tokens", type=int, default=96)
+    s.add_argument("--seconds", type=float, default=20.0, help="wall-clock seconds per (policy, concurrency) cell")
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--out", type=Path, default=Path("results/serving"))
+    s.set_defaults(func=run_bench_serve)
 
 
 def run_bench_runtime(args) -> int:
@@ -90,6 +102,17 @@ def run_bench_runtime(args) -> int:
                              temperatures=tuple(float(t) for t in args.temperatures.split(",")),
                              hf=not args.skip_hf, out=args.out)
     run(cfg)
+    return 0
+
+
+def run_bench_serve(args) -> int:
+    from .bench.serving import ServeBenchConfig, run
+
+    run(ServeBenchConfig(model=args.model, drafter=args.drafter, dtype=args.dtype,
+                         policies=tuple(args.policies.split(",")),
+                         concurrency=tuple(int(c) for c in args.concurrency.split(",")),
+                         max_new_tokens=args.max_new_tokens, seconds_per_cell=args.seconds,
+                         temperature=args.temperature, out=args.out))
     return 0
 
 

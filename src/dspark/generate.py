@@ -49,8 +49,9 @@ class TextStream:
 class TextGenerator:
     def __init__(self, model: str, drafter: str | None = "ngram", gamma: int = 7, dtype: str = "float32"):
         self.loaded = load_model(model, dtype=dtype)
-        self.target = TransformerTarget(self.loaded.model)
         self.drafter = make_drafter(drafter, target=self.loaded.model, gamma=gamma)
+        layers = self.drafter.needs_layers if self.drafter is not None else ()
+        self.target = TransformerTarget(self.loaded.model, hidden_layers=layers)
 
     def stream(self, prompt: str, params: SamplingParams, chat: bool = True) -> TextStream:
         ids = prompt_ids(self.loaded.tokenizer, prompt, chat)

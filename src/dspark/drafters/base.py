@@ -53,10 +53,17 @@ class Drafter(ABC):
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         """Draft up to γ tokens for every request."""
 
-    def observe(self, request: DraftRequest, hidden: dict[int, torch.Tensor]) -> None:
-        """Target hidden states {layer: [n, d]} of the n tokens just committed to the target cache, in
-        position order (prompt chunks, then each round's anchor + accepted drafts). Model-free drafters
-        ignore them."""
+    def observe(self, request: DraftRequest, hidden: dict[int, torch.Tensor], n_committed: int,
+                start: int | None = None) -> None:
+        """Rows 0..n_committed-1 of hidden[layer] ([n, d]) are the target states of the tokens just committed
+        to the target cache, in position order (prompt chunks, then each round's anchor + accepted drafts).
+        Model-free drafters ignore them."""
+
+    def observe_batch(self, requests: list[DraftRequest], hidden: dict[int, torch.Tensor], offsets: list[int],
+                      counts: list[int]) -> None:
+        """Flattened-batch form: request r owns rows offsets[r] .. offsets[r] + counts[r] - 1."""
+        for req, first, n in zip(requests, offsets, counts):
+            self.observe(req, {layer: h[first: first + n] for layer, h in hidden.items()}, n)
 
     def release(self, request: DraftRequest) -> None:
         """Free per-request resources (the default drafter keeps none)."""

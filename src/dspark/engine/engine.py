@@ -117,8 +117,10 @@ class Engine:
             for req in plan.decoding + plan.prefilling:
                 self._fail(req, exc, outputs)
             return outputs
+        self._observed: list[tuple[Request, int, int]] = []
         outputs += self._commit_decoding(plan, out)
         outputs += self._commit_prefill(plan, out)
+        self._feed_drafter(out)
         self.running = [r for r in self.running if not r.finished]
         verified = int(plan.lengths.sum()) if plan.decoding else 0
         self.stats.record_step(time.perf_counter() - t0, len(plan.decoding), verified)
@@ -153,7 +155,7 @@ class Engine:
                 req.rounds, req.drafted, req.accepted = req.rounds + 1, req.drafted + int(plan.lengths[i]), req.accepted + a
                 req.accepted_hist.append(a)
                 self.stats.record_round(int(plan.lengths[i]), a)
-                self._observe(req, out, plan.decode_token_rows[i][: a + 1])
+                self._observed.append((req, plan.decode_token_rows[i][0], a + 1))  # anchor + accepted drafts
                 outputs.append(self._emit(req, result.emitted(plan.drafts, i)))
             except Exception as exc:
                 self._fail(req, exc, outputs)
@@ -165,7 +167,7 @@ class Engine:
             try:
                 req.prefilled += len(rows)
                 self.stats.prompt_tokens += len(rows)
-                self._observe(req, out, rows)
+                self._observed.append((req, rows[0], len(rows)))
                 if logit_row is None:
                     continue  # more prompt chunks to go
                 empty = torch.zeros(1, 0, dtype=torch.long)
@@ -185,10 +187,17 @@ class Engine:
         stops = self._stop_ids(req)
         return torch.tensor([int(t) in stops for t in drafts.tolist()], dtype=torch.bool)
 
-    def _observe(self, req: Request, out, rows) -> None:
-        if self.drafter is not None and out.hidden and len(rows):
-            index = torch.as_tensor(rows)
-            self.drafter.observe(req.draft, {layer: h[index] for layer, h in out.hidden.items()})
+    def _feed_drafter(self, out) -> None:
+        """Hand the drafter the target states of every token committed this step (one batched call)."""
+        live = [(r, first, n) for r, first, n in self._observed if not r.finished]
+        if self.drafter is None or not out.hidden or not live:
+            return
+        try:
+            self.drafter.observe_batch([r.draft for r, _, _ in live], out.hidden, [f for _, f, _ in live],
+                                       [n for _, _, n in live])
+        except Exception as exc:
+            for req, _, _ in live:
+                self._fail(req, exc, [])
 
     def _emit(self, req: Request, tokens: list[int]) -> RequestOutput:
         if req.first_token_at is None:

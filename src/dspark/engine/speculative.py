@@ -34,16 +34,22 @@ class Target(Protocol):
 
 
 class TransformerTarget:
-    def __init__(self, model: Transformer):
+    """Runs our Transformer; `hidden_layers` are captured into `last_hidden` for model drafters."""
+
+    def __init__(self, model: Transformer, hidden_layers: tuple[int, ...] = ()):
         self.model = model
         self.max_position = model.config.max_position
+        self.hidden_layers = tuple(hidden_layers)
+        self.last_hidden: dict[int, torch.Tensor] = {}
 
     def new_state(self):
         return self.model.new_cache()
 
     def forward(self, state, start: int, tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor(tokens, dtype=torch.long)
-        return self.model.forward(ids, [Segment(state, start, len(tokens))]).logits
+        out = self.model.forward(ids, [Segment(state, start, len(tokens))], hidden_layers=self.hidden_layers)
+        self.last_hidden = out.hidden
+        return out.logits
 
     def truncate(self, state, length: int) -> None:
         state.truncate(length)
@@ -101,6 +107,7 @@ class Generation:
         request = DraftRequest(tokens=list(self.prompt), params=self.params, generator=self.generator)
         try:
             logits = self.target.forward(state, 0, self.prompt)[-1:]  # [1, V]
+            self._observe(request, len(self.prompt))
             anchor = self._first_token(logits)
             self.stats.ttft_s = time.perf_counter() - t0
             yield from self._emit([anchor], request)
@@ -130,11 +137,17 @@ class Generation:
         result = self._verify(drafts, probs, logits.unsqueeze(0), n)
         accepted = int(result.accepted[0])
         self.target.truncate(state, start + accepted + 1)  # keep the anchor and the accepted drafts
+        self._observe(request, accepted + 1)
         self.stats.rounds += 1
         self.stats.drafted += n
         self.stats.accepted += accepted
         self.stats.accepted_per_round.append(accepted)
         return result.emitted(drafts, 0)
+
+    def _observe(self, request: DraftRequest, n_committed: int) -> None:
+        hidden = getattr(self.target, "last_hidden", None)
+        if self.drafter is not None and hidden:
+            self.drafter.observe(request, hidden, n_committed)
 
     def _verify(self, drafts, probs, logits, n: int):
         num = torch.tensor([n])

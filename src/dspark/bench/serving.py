@@ -1,0 +1,116 @@
+"""`dspark bench serve`: closed-loop serving throughput vs per-user speed for each verification policy.
+
+In-process (no HTTP) so the numbers are the engine's: C clients each keep one request in flight; when one
+finishes the next prompt starts. Every (policy, C) cell runs for a fixed wall-clock budget after a warm-up.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..decoding import SamplingParams
+from ..drafters import make_drafter
+from ..engine.engine import Engine, EngineConfig
+from ..engine.llm import build_policy
+from ..generate import prompt_ids
+from ..models import load_model
+from .common import load_bench_prompts, machine_info, markdown_table, median, write_results
+
+ALL_SETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench", "arena-hard-v2")
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    model: str = "smollm2-135m-instruct"
+    drafter: str = "ngram"
+    dtype: str = "float32"
+    policies: tuple[str, ...] = ("none", "mtp1", "fixed-3", "fixed-7")
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    gamma: int = 7
+    max_new_tokens: int = 96
+    seconds_per_cell: float = 20.0
+    temperature: float = 0.0
+    out: Path = field(default=Path("results/serving"))
+
+
+def run_cell(engine: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams,
+             seconds: float) -> dict:
+    feed = itertools.cycle(prompts)
+    live = [engine.add_request(next(feed), params) for _ in range(concurrency)]
+    done, t_start, steps0 = [], time.perf_counter(), engine.stats.steps
+    budget0, decode0 = engine.stats.verify_budget_total, engine.stats.decode_requests_total
+    while time.perf_counter() - t_start < seconds:
+        engine.step()
+        for i, req in enumerate(live):
+            if req.finished:
+                done.append(req)
+                live[i] = engine.add_request(next(feed), params)
+    elapsed = time.perf_counter() - t_start
+    produced = sum(len(r.output) for r in done) + sum(len(r.output) for r in live)
+    for req in live:
+        engine.abort(req.request_id)
+    engine.step()  # reap the aborted requests: the next cell starts from an empty engine
+    decode_steps = engine.stats.decode_requests_total - decode0
+    per_user = [len(r.output) / (r.finished_at - r.arrival) for r in done if r.finished_at > r.arrival]
+    return {"concurrency": concurrency, "finished_requests": len(done), "seconds": elapsed,
+            "throughput_tok_s": produced / elapsed, "per_user_tok_s": median(per_user),
+            "mean_verify_budget": (engine.stats.verify_budget_total - budget0) / decode_steps if decode_steps else 0,
+            "tau": (sum(r.accepted + r.rounds for r in done) / max(1, sum(r.rounds for r in done))),
+            "steps": engine.stats.steps - steps0}
+
+
+def run(cfg: ServeBenchConfig) -> dict:
+    loaded = load_model(cfg.model, dtype=cfg.dtype)
+    drafter = make_drafter(cfg.drafter, target=loaded.model, gamma=cfg.gamma)
+    prompts = [prompt_ids(loaded.tokenizer, text, chat=True) for _, text in load_bench_prompts(ALL_SETS, 8)]
+    params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=0)
+    cells = []
+    for policy_name in cfg.policies:
+        policy = build_policy(policy_name, drafter, cfg.model, cfg.dtype, loaded.model, cfg.gamma)
+        engine = Engine(loaded.model, loaded.tokenizer, drafter if policy_name != "none" else None, policy,
+                        loaded.eos_ids, EngineConfig(gamma=cfg.gamma, max_running=max(cfg.concurrency)))
+        run_cell(engine, prompts, 1, params, 2.0)  # warm-up
+        for c in cfg.concurrency:
+            cell = {"policy": policy_name, **run_cell(engine, prompts, c, params, cfg.seconds_per_cell)}
+            cells.append(cell)
+            print(f"{policy_name:10s} C={c:3d}: {cell['throughput_tok_s']:7.1f} tok/s aggregate, "
+                  f"{cell['per_user_tok_s']:6.1f} tok/s per user, budget {cell['mean_verify_budget']:.2f}, "
+                  f"tau {cell['tau']:.2f}", flush=True)
+    data = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
+            "machine": machine_info(), "cells": cells}
+    md = (f"# Serving benchmark ({cfg.model}, drafter {cfg.drafter}, T={cfg.temperature:g}, "
+          f"{cfg.max_new_tokens} new tokens, {cfg.seconds_per_cell:g} s per cell)\n\n"
+          + markdown_table(["policy", "C", "tok/s", "per-user tok/s", "verify budget", "tau", "finished"],
+                           [[c["policy"], c["concurrency"], c["throughput_tok_s"], c["per_user_tok_s"],
+                             c["mean_verify_budget"], c["tau"], c["finished_requests"]] for c in cells]) + "\n")
+    write_results(cfg.out, "serving", data, md)
+    plot(cells, cfg.out)
+    print(md)
+    return data
+
+
+def plot(cells: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy in dict.fromkeys(c["policy"] for c in cells):
+        pts = [c for c in cells if c["policy"] == policy]
+        a.plot([p["per_user_tok_s"] for p in pts], [p["throughput_tok_s"] for p in pts], marker="o", label=policy)
+        b.plot([p["concurrency"] for p in pts], [p["mean_verify_budget"] for p in pts], marker="o", label=policy)
+    a.set_xlabel("per-user tokens/s (median)")
+    a.set_ylabel("aggregate tokens/s")
+    a.set_title("throughput vs per-user speed")
+    b.set_xscale("log", base=2)
+    b.set_xlabel("concurrency")
+    b.set_ylabel("drafts verified per request per step")
+    b.set_title("verification budget vs load")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "serving.png", dpi=120)
+    plt.close(fig)
