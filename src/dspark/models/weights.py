@@ -53,13 +53,13 @@ def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def build_transformer(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
                       dtype: torch.dtype = torch.float32, fast_kernels: bool | None = None) -> Transformer:
-    """fast_kernels: keep pre-packed (oneDNN) weights and a transposed LM head for CPU speed; they double
-    the weight memory, so by default only when the weights take under 2 GB."""
+    """fast_kernels: keep pre-packed (oneDNN) weight copies for CPU speed; they double the weight memory,
+    so by default only when the weights take under 2 GB."""
     if fast_kernels is None:
         fast_kernels = sum(t.numel() for t in tensors.values()) * torch.finfo(dtype).bits // 8 < 2 << 30
 
-    def proj(weight: torch.Tensor, bias: torch.Tensor | None = None, decode_rows: int = 0) -> Projection:
-        return Projection(weight, bias, packed=fast_kernels, decode_rows=decode_rows if fast_kernels else 0)
+    def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
+        return Projection(weight, bias, packed=fast_kernels)
 
     def take(name: str, required: bool = True) -> torch.Tensor | None:
         t = tensors.get(name)
@@ -101,5 +101,4 @@ def build_transformer(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
     head = embed if config.tie_embeddings else take("lm_head.weight", required=False)
     if head is None:
         head = embed  # some exports omit lm_head when it equals the embedding
-    # The LM head's advantage from the transposed copy holds up to 2 rows (measured).
-    return Transformer(config, embed, layers, norm("model.norm.weight"), proj(head, decode_rows=2))
+    return Transformer(config, embed, layers, norm("model.norm.weight"), proj(head))
