@@ -171,10 +171,19 @@ def _simulate(argv) -> int:
     return 0
 
 
+def _optional_commands(sub) -> None:
+    """Training and serving live in their own packages (training never imports the engine or server)."""
+    from .serving.cli import add_serve
+    from .training.cli import add_subcommands as add_training
+
+    add_training(sub)
+    add_serve(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="Lossless confidence-scheduled speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (add_generate, add_bench, add_models, add_profile, add_simulate):
+    for add in (add_generate, add_bench, add_models, add_profile, add_simulate, _optional_commands):
         add(sub)
     return parser
 

@@ -1,0 +1,205 @@
+"""The HTTP boundary: the request body (size-limited, UTF-8, JSON), OpenAI request schemas (pydantic, strict:
+"0.5" is not a number) and their translation into what the engine takes: prompt token ids, SamplingParams and
+stop strings. Everything past this module works on plain Python values."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import ClientDisconnect, Request
+
+from ..decoding.sampling import SamplingError, SamplingParams
+from .errors import APIError, ClientGone, bad_request
+
+MAX_STOP_STRINGS = 16
+
+
+class _Strict(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers do, so newer clients keep working; 1e999 parses
+    # to infinity in JSON, so non-finite numbers are refused here too.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+
+
+class _Common(_Strict):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM) and 0 both mean off
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch's generator takes
+    stop: str | list[str] | None = None
+    n: int | None = None
+    ignore_eos: bool = False
+    # Accepted only at their neutral values: we would rather refuse than silently not honour them.
+    logprobs: bool | int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    suffix: str | None = None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """Refuses oversized bodies from Content-Length or while streaming them in, before any parsing."""
+    declared = request.headers.get("content-length")
+    if declared is not None and not declared.isdigit():
+        raise bad_request("invalid Content-Length header")
+    if declared is not None and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit}", None, "body_too_large")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", None, "body_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    try:
+        text = b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {exc.start})", None, "invalid_encoding") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+@dataclass
+class Generation:
+    """One validated request, ready for the engine."""
+
+    kind: str  # "chat" | "completion"
+    prompt: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def check_unsupported(req: _Common) -> None:
+    if req.n not in (None, 1):
+        raise bad_request("only n=1 is supported (one choice per request)", "n", "unsupported_value")
+    if req.logprobs not in (None, False, 0):
+        raise bad_request("logprobs are not supported by this server", "logprobs", "unsupported_value")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0):
+            raise bad_request(f"{name} is not supported by this server (only 0)", name, "unsupported_value")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", "logit_bias", "unsupported_value")
+    if isinstance(req, ChatCompletionRequest) and req.tools:
+        raise bad_request("tools are not supported by this server", "tools", "unsupported_value")
+    if isinstance(req, CompletionRequest) and (req.echo or req.suffix):
+        raise bad_request("echo and suffix are not supported by this server", "echo" if req.echo else "suffix",
+                          "unsupported_value")
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+    if any(s == "" for s in stops):
+        raise bad_request("stop strings must not be empty", "stop")
+    return tuple(dict.fromkeys(stops))
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, list):
+            if any(p.type != "text" or p.text is None for p in m.content):
+                raise bad_request("only text content parts are supported", f"messages.{i}.content")
+            text = "".join(p.text for p in m.content)
+        else:
+            text = m.content or ""
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+    return out
+
+
+def encode_prompt(req: _Common, tokenizer, vocab_size: int) -> tuple[list[int], str]:
+    """-> (token ids, the parameter they came from). Runs off the event loop (templating can be slow)."""
+    if isinstance(req, ChatCompletionRequest):
+        try:
+            ids = tokenizer.apply_chat_template(chat_messages(req), add_generation_prompt=True, tokenize=True)
+        except APIError:
+            raise
+        except Exception as exc:  # the template rejects the conversation (e.g. roles must alternate)
+            raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        return [int(t) for t in ids], "messages"
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise bad_request("only one prompt per request is supported", "prompt", "unsupported_value")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        try:
+            return list(tokenizer.encode(prompt, add_special_tokens=False)), "prompt"
+        except Exception as exc:  # e.g. lone surrogates from a "\ud800" escape
+            raise bad_request(f"the prompt could not be tokenized: {exc}", "prompt") from None
+    if any(t < 0 or t >= vocab_size for t in prompt):
+        raise bad_request(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    return list(prompt), "prompt"
+
+
+def build_generation(req: _Common, prompt: list[int], param: str, max_position: int,
+                     default_max_tokens: int) -> Generation:
+    """Checks lengths against the context window (OpenAI's 400 `context_length_exceeded`) and sampling values."""
+    if not prompt:
+        raise bad_request("the prompt is empty", param)
+    if len(prompt) >= max_position:
+        raise bad_request(f"this model's maximum context length is {max_position} tokens; the prompt has "
+                          f"{len(prompt)} tokens", param, "context_length_exceeded")
+    asked, asked_param = req.max_tokens, "max_tokens"
+    if isinstance(req, ChatCompletionRequest) and req.max_tokens is None and req.max_completion_tokens is not None:
+        asked, asked_param = req.max_completion_tokens, "max_completion_tokens"
+    room = max_position - len(prompt)
+    if asked is not None and asked > room:
+        raise bad_request(f"this model's maximum context length is {max_position} tokens; the prompt has "
+                          f"{len(prompt)} and {asked_param} asks for {asked}", asked_param, "context_length_exceeded")
+    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    try:
+        params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                                top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+                                max_new_tokens=asked or min(default_max_tokens, room), seed=req.seed,
+                                ignore_eos=req.ignore_eos)
+    except SamplingError as exc:
+        raise bad_request(str(exc)) from None
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
+    return Generation(kind, prompt, params, stop_strings(req.stop), req.stream, include_usage)

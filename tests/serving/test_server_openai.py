@@ -1,0 +1,110 @@
+"""The server through the official `openai` client: chat and completions, streamed and not, on loopback."""
+import json
+import urllib.request
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from server_testlib import engine_idle, start_server, wait_until  # noqa: E402
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def streamed_chat(client, **kw):
+    parts, finish, usage, spec = [], None, None, None
+    for chunk in client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True,
+                                                stream_options={"include_usage": True}, **kw):
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+        usage = chunk.usage or usage
+        spec = (chunk.model_extra or {}).get("speculative") or spec
+    return "".join(parts), finish, usage, spec
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_chat_stream_equals_non_stream_and_carries_stats(client, server, temperature):
+    kw = dict(max_tokens=24, temperature=temperature, seed=11, top_p=0.95)
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, **kw)
+    text, finish, usage, spec = streamed_chat(client, **kw)
+    assert plain.object == "chat.completion" and plain.choices[0].message.role == "assistant"
+    assert text == plain.choices[0].message.content and text
+    assert finish == plain.choices[0].finish_reason == "length"
+    assert usage.completion_tokens == plain.usage.completion_tokens == 24
+    assert usage.total_tokens == usage.prompt_tokens + 24
+    stats = plain.model_extra["speculative"]
+    assert stats == spec and stats["rounds"] >= 1 and stats["mean_accepted_length"] >= 1
+    assert wait_until(lambda: engine_idle(server))
+
+
+def test_completion_stream_and_non_stream(client):
+    kw = dict(model="tiny", prompt="The history of the river", max_tokens=16, temperature=0.7, seed=3,
+              extra_body={"top_k": 40})
+    plain = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert plain.object == "text_completion"
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason == "length"
+    assert plain.usage.completion_tokens == 16 and plain.model_extra["speculative"]["rounds"] >= 1
+
+
+def test_stop_strings_cut_the_text_in_both_modes(client):
+    base = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=40, temperature=0)
+    text = base.choices[0].text
+    assert len(text) > 10
+    stop = text[5:8]  # something the greedy continuation is known to produce
+    for stops in (stop, [stop, "\u2603never"]):
+        kw = dict(model="tiny", prompt="Once upon a time", max_tokens=40, temperature=0, stop=stops)
+        plain = client.completions.create(**kw)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+        assert plain.choices[0].finish_reason == "stop"
+        assert plain.choices[0].text == streamed == text[: text.index(stop)]
+        assert stop not in streamed
+
+
+def test_models_health_and_metrics(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    with urllib.request.urlopen(f"{server.url}/health") as r:
+        assert json.loads(r.read())["status"] == "ok"
+    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)
+    with urllib.request.urlopen(f"{server.url}/metrics") as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    series = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            series[name] = float(value)
+    names = {n.split("{")[0] for n in series}
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                 "dspark:spec_decode_accepted_length_bucket", "dspark:verify_budget_per_request_step",
+                 "dspark:num_requests_waiting", "dspark:engine_step_seconds_sum", "dspark:generation_tokens_total",
+                 "dspark:request_finished_total", "dspark:kv_reserved_tokens", "vllm:num_requests_running"):
+        assert name in names, name
+    assert series['dspark:generation_tokens_total{model_name="tiny"}'] > 0
+    inf = series['dspark:spec_decode_accepted_length_bucket{model_name="tiny",le="+Inf"}']
+    assert inf == series['dspark:spec_decode_accepted_length_count{model_name="tiny"}'] > 0
+    # Each family's samples form one group (the text format requires it).
+    seen = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE"):
+            family = line.split()[2]
+            assert family not in seen, family
+            seen.add(family)
