@@ -48,8 +48,9 @@ def tiny_drafter(target, *, head: str = "markov", rank: int = 8, block: int = 4,
 
 
 def speculative(target, drafter, prompts: list[list[int]], params: SamplingParams, n_tokens: int,
-                seeds: list[int], capacity: int = 32) -> list[list[int]]:
-    """Generate n_tokens per prompt with speculative decoding (no stop tokens) -> emitted tokens per request."""
+                seeds: list[int], capacity: int = 32, stats: dict | None = None) -> list[list[int]]:
+    """Generate n_tokens per prompt with speculative decoding (no stop tokens) -> emitted tokens per request.
+    `stats` (optional) receives the number of rounds and of accepted drafts."""
     R, layers = len(prompts), drafter.needs_layers
     caches = [target.new_cache(capacity=capacity) for _ in range(R)]
     requests = [DraftRequest(tokens=list(p), params=params, generator=make_generator(s))
@@ -67,13 +68,16 @@ def speculative(target, drafter, prompts: list[list[int]], params: SamplingParam
         r.tokens.append(e[0])
     active = list(range(R))
     while active:
-        _round(target, drafter, [requests[i] for i in active], [caches[i] for i in active], params,
-               [emitted[i] for i in active])
+        accepted = _round(target, drafter, [requests[i] for i in active], [caches[i] for i in active], params,
+                          [emitted[i] for i in active])
+        if stats is not None:
+            stats["rounds"] = stats.get("rounds", 0) + len(active)
+            stats["accepted"] = stats.get("accepted", 0) + accepted
         active = [i for i in active if len(emitted[i]) < n_tokens]
     return [e[:n_tokens] for e in emitted]
 
 
-def _round(target, drafter, requests, caches, params, emitted) -> None:
+def _round(target, drafter, requests, caches, params, emitted) -> int:
     prop = drafter.propose(requests)
     R, gamma = prop.tokens.shape
     starts = [len(r.tokens) - 1 for r in requests]
@@ -96,3 +100,4 @@ def _round(target, drafter, requests, caches, params, emitted) -> None:
         r.tokens.extend(new)
         emitted[i].extend(new)
     drafter.observe_batch(requests, out.hidden, [i * (gamma + 1) for i in range(R)], counts)
+    return int(result.accepted.sum())

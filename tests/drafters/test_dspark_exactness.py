@@ -26,13 +26,15 @@ def test_greedy_speculative_equals_plain_greedy(head):
         assert out == plain_greedy(target, prompt, 40)
 
 
-def test_greedy_accepts_drafts_of_a_drafter_that_matches_the_target():
-    """A 'drafter' whose backbone is forced to copy the target is accepted, and output is still exact."""
-    target = tiny_target(seed=4, scale=6.0)  # peaked: the target often repeats itself
+def test_greedy_equality_when_drafts_are_accepted():
+    """On a peaked, repetitive target even a random drafter gets drafts accepted: the accept path is exercised."""
+    target = tiny_target(seed=4, scale=6.0)
     drafter = tiny_drafter(target, head="markov", block=4)
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
-    out = speculative(target, drafter, [prompt], SamplingParams(temperature=0), 30, seeds=[0])[0]
+    stats = {}
+    out = speculative(target, drafter, [prompt], SamplingParams(temperature=0), 30, seeds=[0], stats=stats)[0]
     assert out == plain_greedy(target, prompt, 30)
+    assert stats["accepted"] > 0
 
 
 # ---------------------------------------------------------------------------------------------------------

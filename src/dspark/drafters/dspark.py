@@ -65,6 +65,8 @@ class DSparkDrafter(Drafter):
     def observe_batch(self, requests: list[DraftRequest], hidden: dict[int, torch.Tensor], offsets: list[int],
                       counts: list[int], starts: list[int] | None = None) -> None:
         """hidden[layer]: [N, d] for a flattened batch; request r owns rows offsets[r] .. offsets[r]+counts[r]−1."""
+        if not requests:
+            return
         missing = [i for i in self.needs_layers if i not in hidden]
         if missing:
             raise DrafterError(f"observe() got no hidden states for target layers {missing}; run the target "

@@ -65,6 +65,7 @@ def save_drafter(out_dir: str | os.PathLike, model: DSparkModel, target: Transfo
               "chat_template": chat_template, "weights_dtype": str(dtype).replace("torch.", ""),
               "training": training or {}}
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the renamed directory is an ordinary one
     try:
         tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS))

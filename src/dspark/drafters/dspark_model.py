@@ -131,6 +131,8 @@ class FrozenTarget:
     embed_scale: float | None
     softcap: float | None
     rope: RotaryTable = field(repr=False)
+    head_dtype: torch.dtype | None = None  # a low-precision copy of the head for training, if set
+    lm_head_lowp: torch.Tensor | None = field(default=None, repr=False)
 
 
 class DSparkModel(nn.Module):
@@ -205,9 +207,18 @@ class DSparkModel(nn.Module):
             x = layer(x, rope, kc, vc, ctx_visible)
         return self.final_norm(x)
 
+    def set_head_dtype(self, dtype: torch.dtype) -> None:
+        """Run the frozen LM head in `dtype` (training: bf16 halves the dominant cost on CPU; the logits and
+        everything after them stay fp32). Inference uses the target's own head, unaffected."""
+        self.frozen.head_dtype = None if dtype == torch.float32 else dtype
+        self.frozen.lm_head_lowp = None if dtype == torch.float32 else self.frozen.lm_head.to(dtype)
+
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [..., d] -> U: [..., V] fp32 through the frozen target LM head (softcap included)."""
-        logits = F.linear(h, self.frozen.lm_head.to(h.dtype)).float()
+        if self.frozen.head_dtype is not None:
+            logits = F.linear(h.to(self.frozen.head_dtype), self.frozen.lm_head_lowp).float()
+        else:
+            logits = F.linear(h, self.frozen.lm_head.to(h.dtype)).float()
         cap = self.frozen.softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 

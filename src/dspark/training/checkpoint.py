@@ -41,6 +41,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, target, optimizer, *,
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the renamed directory is an ordinary one
     try:
         save_drafter(tmp / DRAFTER, model, target, target_name=target_name, chat_template=chat_template,
                      training={"step": step, **extra})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -79,6 +80,8 @@ def cmd_cache_build(args) -> int:
 
 
 def cmd_train(args) -> int:
+    import torch.distributed as dist
+
     from .config import load_config
     from .trainer import Trainer
 
@@ -87,8 +90,13 @@ def cmd_train(args) -> int:
         overrides.append("run.resume=false")
     if args.no_progress:
         overrides.append("run.progress=false")
-    summary = Trainer(load_config(args.config, overrides)).run()
-    print(json.dumps({k: v for k, v in summary.items() if k != "last"}))
+    try:
+        summary = Trainer(load_config(args.config, overrides)).run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:  # one summary line, not one per torchrun process
+        print(json.dumps({k: v for k, v in summary.items() if k != "last"}))
     return 0
 
 

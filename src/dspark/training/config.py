@@ -62,6 +62,7 @@ class OptimSection:
     batch_seqs: int = 8  # sequences per optimizer step, over all processes and accumulation steps
     grad_accum: int = 1
     loss_chunk_blocks: int = 64  # blocks per LM-head chunk (bounds the [rows × V] logits memory)
+    head_dtype: str = "float32"  # "bfloat16": frozen LM-head products in bf16 (about 2x faster on CPU)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class TrainConfig:
             (self.optim.batch_seqs % self.optim.grad_accum == 0, "optim.batch_seqs must divide by grad_accum"),
             (self.optim.lr > 0 and self.optim.max_steps >= 1, "optim.lr and optim.max_steps must be positive"),
             (self.run.export_dtype in ("float32", "bfloat16", "float16"), "unknown run.export_dtype"),
+            (self.optim.head_dtype in ("float32", "bfloat16"), "optim.head_dtype must be float32 or bfloat16"),
         ]
         for ok, message in checks:
             if not ok:

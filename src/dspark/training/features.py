@@ -58,7 +58,12 @@ def load_sequences(path: str | Path, tokenizer, max_seq_len: int, limit: int = 0
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
+            if not line.endswith("\n"):
+                break  # a record datagen is still writing (or was interrupted writing): not data yet
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
             if rec.get("status", "ok") != "ok":
                 continue
             if "input_ids" in rec:

@@ -71,6 +71,7 @@ class Trainer:
         self.model = DSparkModel(arch, self.target)
         if cfg.drafter.init_from_target:
             self.model.init_from_target(self.target)
+        self.model.set_head_dtype(getattr(torch, cfg.optim.head_dtype))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
@@ -125,6 +126,9 @@ class Trainer:
         den_total = float(self._all_reduce(torch.tensor([den], dtype=torch.float64))[0])
         alpha = (cfg.loss.ce, cfg.loss.tv, cfg.loss.conf)
         sums = torch.zeros(5 + 2 * block + 2, dtype=torch.float64)
+        # Per-micro-batch gradients are summed in their own buffer, so the sum associates the same way as the
+        # all-reduce over processes (bitwise-equal results when each process holds one micro-batch).
+        acc = torch.zeros(sum(p.numel() for p in self.params))
         for ps in plans:
             if not ps:
                 continue
@@ -134,12 +138,13 @@ class Trainer:
                                s["accept"].double(), s["count"].double(),
                                torch.tensor([batch.features.shape[0], int(batch.block_valid.sum())],
                                             dtype=torch.float64)])
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = self._all_reduce(torch.cat([g.flatten() for g in grads]))
-        at = 0
-        for p, g in zip(self.params, grads):
-            p.grad = flat[at: at + g.numel()].view_as(p).clone()
-            at += g.numel()
+            acc += torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                              for p in self.params])
+            self.optimizer.zero_grad(set_to_none=True)
+        flat, at = self._all_reduce(acc), 0
+        for p in self.params:
+            p.grad = flat[at: at + p.numel()].view_as(p).clone()
+            at += p.numel()
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.clip or float("inf")))
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
