@@ -123,6 +123,20 @@ class Projection:
         self.packed = _pack(weight) if packed else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] > 0:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]
+        if self.packed is None or rows == 0:
+            return F.linear(x, self.weight, self.bias)
+        size = bucket_rows(rows)
+        if size != rows:
+            x = torch.cat([x, x.new_zeros(size - rows, x.shape[1])])
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")[:rows]
+
+
+def bucket_rows(rows: int) -> int:
+    """oneDNN caches one primitive per input shape; a serving engine sees every row count, so resident memory
+    crept up with each new shape. Rounding row counts up to a few sizes bounds the set (padding rows are cheap:
+    the cost is flat in this range)."""
+    if rows <= 8:
+        return rows
+    step = 16 if rows <= 128 else 128
+    return -(-rows // step) * step
