@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from ..scheduling.profile import cpu_name
+
 DOMAINS = {"gsm8k": "math", "math500": "math", "aime25": "math", "humaneval": "code", "mbpp": "code",
            "livecodebench": "code", "mt-bench": "chat", "arena-hard-v2": "chat"}
 
@@ -41,15 +43,7 @@ def load_bench_prompts(sets: tuple[str, ...], per_set: int) -> list[tuple[str, s
 
 
 def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
 

@@ -37,8 +37,8 @@ class ProfileKey:
         return {"model_id": self.model_id, "drafter_id": self.drafter_id, "machine": self.machine, "dtype": self.dtype}
 
 
-def current_machine() -> str:
-    """platform + CPU model + torch threads (+ GPU name): the things that change step times by large factors."""
+def cpu_name() -> str:
+    """The CPU model ("unknown-cpu" if it cannot be read)."""
     cpu = platform.processor() or ""
     try:  # /proc/cpuinfo names the CPU on Linux, where platform.processor() often says only "x86_64".
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -48,7 +48,12 @@ def current_machine() -> str:
                     break
     except OSError:
         pass
-    parts = [platform.platform(), cpu or "unknown-cpu"]
+    return cpu or "unknown-cpu"
+
+
+def current_machine() -> str:
+    """platform + CPU model + torch threads (+ GPU name): the things that change step times by large factors."""
+    parts = [platform.platform(), cpu_name()]
     try:
         import torch  # lazy: keeps this module importable (and fast to import) without torch.
 
