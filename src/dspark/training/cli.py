@@ -92,6 +92,8 @@ def cmd_train(args) -> int:
         overrides.append("run.progress=false")
     try:
         summary = Trainer(load_config(args.config, overrides)).run()
+        if dist.is_initialized():
+            dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks aborts the peer
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
