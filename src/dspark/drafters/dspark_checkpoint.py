@@ -67,7 +67,7 @@ def save_drafter(out_dir: str | os.PathLike, model: DSparkModel, target: Transfo
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the renamed directory is an ordinary one
     try:
-        tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+        tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS))
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         old = out.with_name(f".{out.name}.old")

@@ -154,7 +154,9 @@ class DSparkModel(nn.Module):
         # Not registered as parameters or buffers: never trained, never written into the checkpoint.
         self.frozen = FrozenTarget(target.embed, target.lm_head.weight,
                                    float(cfg.hidden_size ** 0.5) if cfg.gemma_norm else None,
-                                   cfg.final_logit_softcap, RotaryTable(cfg.rope, cfg.head_dim, torch.float32))
+                                   cfg.final_logit_softcap,
+                                   RotaryTable(cfg.rope, cfg.head_dim, torch.float32, target.embed.device))
+        self.to(target.embed.device)
 
     # ------------------------------------------------------------------------------------------------
     def init_from_target(self, target: Transformer) -> list[int]:
@@ -200,7 +202,7 @@ class DSparkModel(nn.Module):
     def backbone(self, block_ids, anchors, ctx_kv, ctx_visible) -> torch.Tensor:
         """block_ids: [G, A, γ]; anchors: [G, A] anchor positions; ctx_kv: per layer (kc, vc) [G, T, kvH, hd];
         ctx_visible: [G, A, T] -> h: [G, A, γ, d] after the final norm."""
-        slots = torch.arange(block_ids.shape[-1])
+        slots = torch.arange(block_ids.shape[-1], device=block_ids.device)
         rope = self.rope((anchors.unsqueeze(-1) + slots).reshape(-1))
         x = self.embed_block(block_ids)
         for layer, (kc, vc) in zip(self.layers, ctx_kv):

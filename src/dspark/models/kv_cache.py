@@ -10,12 +10,13 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 capacity: int = 256, max_capacity: int | None = None):
+                 capacity: int = 256, max_capacity: int | None = None,
+                 device: torch.device | str = "cpu"):
         self.shape = (num_layers, num_kv_heads, head_dim)
         self.dtype = dtype
         self.max_capacity = max_capacity
         self.length = 0  # positions 0..length-1 hold valid keys/values
-        self.k = torch.empty(num_layers, num_kv_heads, capacity, head_dim, dtype=dtype)  # [L, kvH, cap, hd]
+        self.k = torch.empty(num_layers, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)  # [L, kvH, cap, hd]
         self.v = torch.empty_like(self.k)
 
     @property
@@ -35,7 +36,7 @@ class KVCache:
         if self.max_capacity is not None:
             new_cap = min(new_cap, self.max_capacity)
         layers, heads, head_dim = self.shape
-        k = torch.empty(layers, heads, new_cap, head_dim, dtype=self.dtype)
+        k = torch.empty(layers, heads, new_cap, head_dim, dtype=self.dtype, device=self.k.device)
         v = torch.empty_like(k)
         k[:, :, : self.length] = self.k[:, :, : self.length]
         v[:, :, : self.length] = self.v[:, :, : self.length]

@@ -63,18 +63,19 @@ def _yarn_frequencies(inv: torch.Tensor, spec: RopeSpec, head_dim: int) -> tuple
 class RotaryTable:
     """cos/sin rows for positions, grown on demand (a 128K-position table would cost hundreds of MB)."""
 
-    def __init__(self, spec: RopeSpec, head_dim: int, dtype: torch.dtype):
+    def __init__(self, spec: RopeSpec, head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.inv, self.scale = inv_frequencies(spec, head_dim)
-        self.dtype = dtype
-        self.cos = torch.empty(0, head_dim, dtype=dtype)
-        self.sin = torch.empty(0, head_dim, dtype=dtype)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.cos = torch.empty(0, head_dim, dtype=dtype, device=device)
+        self.sin = torch.empty(0, head_dim, dtype=dtype, device=device)
 
     def _grow(self, needed: int) -> None:
         size = max(needed, 2 * self.cos.shape[0], 256)
         angles = torch.outer(torch.arange(size, dtype=torch.float64), self.inv)  # [size, hd/2]
         angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout
-        self.cos = (angles.cos() * self.scale).to(self.dtype)
-        self.sin = (angles.sin() * self.scale).to(self.dtype)
+        # Angles in fp64 on the CPU, then one copy: the same table on every device.
+        self.cos = (angles.cos() * self.scale).to(self.device, self.dtype)
+        self.sin = (angles.sin() * self.scale).to(self.device, self.dtype)
 
     def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [N] -> cos, sin: [N, 1, hd] (broadcast over heads)."""

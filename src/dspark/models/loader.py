@@ -157,10 +157,24 @@ def load_tokenizer(hf_dir: Path):
     return AutoTokenizer.from_pretrained(str(hf_dir))
 
 
-def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel:
+def resolve_device(device: str) -> torch.device:
+    """"auto" = the GPU when there is one; a device that is not there is a clear error, not a late crash."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but this torch build sees no CUDA GPU")
+    return dev
+
+
+def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(_DTYPES)}")
+    dev = resolve_device(device)
     hf_dir = resolve(spec)
     config = load_hf_config(hf_dir)
-    model = build_transformer(config, read_safetensors(hf_dir), _DTYPES[dtype])
+    model = build_transformer(config, read_safetensors(hf_dir), _DTYPES[dtype], device=dev)
     return LoadedModel(name=spec, model=model, tokenizer=load_tokenizer(hf_dir), hf_dir=hf_dir)

@@ -56,19 +56,20 @@ class Transformer:
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head  # W: [V, d]; the same tensor as embed when tied
-        self.dtype = embed.dtype
+        self.dtype, self.device = embed.dtype, embed.device
         hd = config.head_dim
-        self.rope = RotaryTable(config.rope, hd, self.dtype)
-        self.rope_local = RotaryTable(config.rope_local, hd, self.dtype) if config.rope_local else self.rope
+        self.rope = RotaryTable(config.rope, hd, self.dtype, self.device)
+        self.rope_local = (RotaryTable(config.rope_local, hd, self.dtype, self.device) if config.rope_local
+                           else self.rope)
         self.act = activation(config.activation)
-        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=self.dtype)
+        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=self.dtype, device=self.device)
                             if config.gemma_norm else None)
 
     # ----------------------------------------------------------------------------------------------
     def new_cache(self, capacity: int = 256) -> KVCache:
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype,
-                       capacity=min(capacity, c.max_position), max_capacity=c.max_position)
+                       capacity=min(capacity, c.max_position), max_capacity=c.max_position, device=self.device)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         x = F.embedding(tokens, self.embed)
@@ -88,8 +89,8 @@ class Transformer:
         n_total = sum(s.length for s in segments)
         if n_total != tokens.shape[0]:
             raise ValueError(f"segments cover {n_total} tokens but {tokens.shape[0]} were given")
-        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])  # [N]
-        top = int(positions.max()) if n_total else 0
+        top = max((s.start + s.length - 1 for s in segments), default=0)
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]).to(self.device)  # [N]
         if top >= self.config.max_position:
             raise ValueError(f"position {top} is beyond the context window of {self.config.max_position}")
         for s in segments:
@@ -98,13 +99,13 @@ class Transformer:
         rope_local = self.rope_local.lookup(positions, top) if self.rope_local is not self.rope else rope_global
         wanted = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {}
-        x = self.embed_tokens(tokens)  # [N, d]
+        x = self.embed_tokens(tokens.to(self.device))  # [N, d]
         for i, layer in enumerate(self.layers):
             rope = rope_local if self.config.is_sliding(i) else rope_global
             x = self._layer(i, layer, x, rope, segments)
             if i in wanted:
                 hidden[i] = x
-        rows = x if logit_rows is None else x[logit_rows]
+        rows = x if logit_rows is None else x[logit_rows.to(self.device)]
         final = rms_norm(rows, self.final_norm, self.config.rms_eps)
         return ForwardOutput(logits=self.lm_logits(final), hidden=hidden,
                              final_hidden=final if return_final_hidden else None)
@@ -133,7 +134,7 @@ class Transformer:
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         window = c.sliding_window if c.is_sliding(index) else None
-        out = torch.empty(n, c.num_heads, hd, dtype=x.dtype)  # [N, H, hd]
+        out = torch.empty(n, c.num_heads, hd, dtype=x.dtype, device=x.device)  # [N, H, hd]
         offset = 0
         for s in segments:
             rows = slice(offset, offset + s.length)
@@ -152,8 +153,8 @@ class Transformer:
         values = seg.cache.v[index, :, first:end].unsqueeze(0)
         mask = None
         if seg.length > 1 or (window and end - first > window):
-            q_pos = torch.arange(seg.start, end).unsqueeze(1)  # [n, 1]
-            k_pos = torch.arange(first, end).unsqueeze(0)  # [1, T]
+            q_pos = torch.arange(seg.start, end, device=q.device).unsqueeze(1)  # [n, 1]
+            k_pos = torch.arange(first, end, device=q.device).unsqueeze(0)  # [1, T]
             mask = k_pos <= q_pos
             if window:
                 mask &= k_pos > q_pos - window

@@ -52,10 +52,14 @@ def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def build_transformer(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
-                      dtype: torch.dtype = torch.float32, fast_kernels: bool | None = None) -> Transformer:
+                      dtype: torch.dtype = torch.float32, fast_kernels: bool | None = None,
+                      device: torch.device | str = "cpu") -> Transformer:
     """fast_kernels: keep pre-packed (oneDNN) weight copies for CPU speed; they double the weight memory,
-    so by default only when the weights take under 2 GB."""
-    if fast_kernels is None:
+    so by default only when the weights take under 2 GB (never off the CPU)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        fast_kernels = False
+    elif fast_kernels is None:
         fast_kernels = sum(t.numel() for t in tensors.values()) * torch.finfo(dtype).bits // 8 < 2 << 30
 
     def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
@@ -66,7 +70,7 @@ def build_transformer(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
         if t is None and required:
             raise WeightsError(f"weights lack the tensor {name!r} expected for a {config.family} model "
                                f"({len(tensors)} tensors present)")
-        return None if t is None else t.to(dtype).contiguous()
+        return None if t is None else t.to(device=device, dtype=dtype).contiguous()
 
     def norm(name: str, required: bool = True) -> torch.Tensor | None:
         w = take(name, required)

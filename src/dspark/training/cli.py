@@ -31,7 +31,7 @@ def cmd_datagen(args) -> int:
                                concurrency=args.concurrency, max_context=args.max_context)
     summary = run_datagen(args.prompts, args.out, settings, model=args.model, endpoint=args.endpoint,
                           api_model=args.api_model, limit=args.limit, skip_bad=args.skip_bad,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, backend=args.backend, device=args.device)
     print(json.dumps(summary))
     return 1 if summary["failed"] else 0
 
@@ -129,7 +129,10 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=512, help="per assistant turn")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=16, help="conversations per forward (our runtime)")
+    p.add_argument("--batch-size", type=int, default=16, help="conversations per forward")
+    p.add_argument("--backend", default="runtime", choices=["runtime", "transformers"],
+                   help="runtime: our ragged runtime (CPU); transformers: padded batched generate (for a GPU)")
+    p.add_argument("--device", default="auto", help="device of the transformers backend (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=8, help="parallel requests (--endpoint)")
     p.add_argument("--max-context", type=int, default=0, help="context limit (default: the model's)")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed prompt lines instead of failing")
@@ -159,6 +162,23 @@ def add_subcommands(subparsers) -> None:
     t.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_train)
+
+    s = subparsers.add_parser("synth-prompts", help="write templated math/code/chat prompts (seeded)",
+                              description="Deterministic synthetic prompts for the domains drafters are judged "
+                              "on; regenerate their answers with `datagen`.")
+    s.add_argument("--out", required=True, help="output .jsonl")
+    s.add_argument("--count", type=int, default=6000)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=cmd_synth_prompts)
+
+
+def cmd_synth_prompts(args) -> int:
+    from .synth_prompts import write_prompts
+
+    if args.count < 1:
+        raise ValueError("--count must be at least 1")
+    print(json.dumps({"prompts": write_prompts(args.out, args.count, args.seed), "out": args.out}))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

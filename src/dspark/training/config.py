@@ -21,6 +21,7 @@ class ConfigError(ValueError):
 class TargetSection:
     name: str = "smollm2-135m-instruct"  # model spec for dspark.models.load_model
     dtype: str = "float32"
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N" | "auto": where the target and the drafter train
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class RunSection:
     threads: int = 0  # torch threads per process (0 = leave torch's default)
     progress: bool = True
     max_time_s: float = 0.0  # stop (with a checkpoint) after this long; 0 = no limit
+    export_on_stop: bool = False  # also export the drafter when max_time_s ends the run early
     export_dtype: str = "float32"  # precision of the exported drafter weights
     resume: bool = True
 
@@ -108,6 +110,8 @@ class TrainConfig:
             (self.optim.lr > 0 and self.optim.max_steps >= 1, "optim.lr and optim.max_steps must be positive"),
             (self.run.export_dtype in ("float32", "bfloat16", "float16"), "unknown run.export_dtype"),
             (self.optim.head_dtype in ("float32", "bfloat16"), "optim.head_dtype must be float32 or bfloat16"),
+            (self.target.device == "auto" or self.target.device.split(":")[0] in ("cpu", "cuda"),
+             "target.device must be cpu, cuda, cuda:N or auto"),
         ]
         for ok, message in checks:
             if not ok:

@@ -20,6 +20,7 @@ from .conversations import read_prompts
 
 FORMAT, VERSION = "dspark.datagen", 1
 DATA, META = "data.jsonl", "meta.json"
+BACKENDS = ("runtime", "transformers")  # our ragged runtime (CPU) | transformers' padded generate (GPU)
 
 
 class DatagenError(ValueError):
@@ -120,9 +121,11 @@ class OutputStore:
 def run_datagen(prompts: str | Path, out_dir: str | Path, settings: DatagenSettings = DatagenSettings(), *,
                 model: str = "smollm2-135m-instruct", endpoint: str | None = None, api_model: str | None = None,
                 limit: int = 0, skip_bad: bool = False, progress: bool = True, on_record=None,
-                loaded=None) -> dict:
+                loaded=None, backend: str = "runtime", device: str = "auto") -> dict:
     """Generate answers for every prompt not yet in out_dir. `loaded`: an already loaded model (tests);
     `on_record(record)`: called after each record is stored. Returns a summary."""
+    if backend not in BACKENDS:
+        raise DatagenError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     records, problems = read_prompts(prompts, skip_bad=skip_bad, limit=limit)
     for p in problems:
         print(f"datagen: skipped {p}", file=sys.stderr)
@@ -135,7 +138,8 @@ def run_datagen(prompts: str | Path, out_dir: str | Path, settings: DatagenSetti
     meta = {"format": FORMAT, "version": VERSION, "model": api_model or model if endpoint else model,
             "endpoint": endpoint, "sampling": settings.sampling(), "prompts": str(prompts),
             "prompts_sha256": file_sha256(prompts), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "chat_template": getattr(tokenizer, "chat_template", None)}
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "backend": "endpoint" if endpoint else backend}
     store = OutputStore(out_dir, meta)
     todo = [r for r in records if r.id not in store.done]
     bar = _progress(len(todo), progress)
@@ -156,6 +160,9 @@ def run_datagen(prompts: str | Path, out_dir: str | Path, settings: DatagenSetti
         if endpoint:
             from .datagen_endpoint import generate_endpoint
             counts["failed"] = generate_endpoint(endpoint, api_model or model, todo, settings, emit)
+        elif backend == "transformers":
+            from .datagen_hf import generate_transformers
+            generate_transformers(loaded, todo, settings, emit, device)
         else:
             from .datagen_local import generate_local
             generate_local(loaded, iter(todo), settings, emit)

@@ -103,7 +103,7 @@ def compute_features(target: Transformer, sequences: list[torch.Tensor],
                      layer_ids: tuple[int, ...]) -> list[SeqFeatures]:
     """One ragged target forward over several sequences -> fp32 features of each (no rounding)."""
     last = target.config.num_layers - 1
-    tokens = torch.cat(sequences)
+    tokens = torch.cat(sequences).to(target.device)
     segments = [Segment(target.new_cache(capacity=len(s)), 0, len(s)) for s in sequences]
     # Ask for the last layer's output and apply the final norm here: cheaper than LM-head logits for all rows.
     out = target.forward(tokens, segments, logit_rows=torch.tensor([0]), hidden_layers=(*layer_ids, last))

@@ -21,9 +21,9 @@ from .packing import Batch
 STAT_KEYS = ("ce", "tv", "conf", "den", "top1")
 
 
-def slot_weights(block_size: int, decay: float) -> torch.Tensor:
+def slot_weights(block_size: int, decay: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """[γ] w_k = exp(−(k−1)/decay)."""
-    return torch.exp(-torch.arange(block_size, dtype=torch.float32) / decay)
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32, device=device) / decay)
 
 
 def forward_hidden(model: DSparkModel, batch: Batch) -> torch.Tensor:
@@ -32,7 +32,7 @@ def forward_hidden(model: DSparkModel, batch: Batch) -> torch.Tensor:
     kv = model.context_kv(feats, batch.ctx_pos)  # per layer [N, kvH, hd]
     ctx_kv = [(k[batch.ctx_index], v[batch.ctx_index]) for k, v in kv]  # [G, T, kvH, hd]
     T = batch.ctx_index.shape[1]
-    visible = torch.arange(T)[None, None, :] < batch.anchors.unsqueeze(-1)  # [G, A, T]: strictly before anchor
+    visible = torch.arange(T, device=batch.anchors.device)[None, None, :] < batch.anchors.unsqueeze(-1)  # [G, A, T]: strictly before anchor
     visible &= batch.block_valid.unsqueeze(-1)
     return model.backbone(batch.block_ids, batch.anchors, ctx_kv, visible)
 
@@ -59,7 +59,7 @@ def block_terms(model: DSparkModel, h: torch.Tensor, prev: torch.Tensor, labels:
         top1 = ((logits.argmax(-1) == labels) & valid).sum().item()
         vf = valid.float()
     return {"ce": ce, "tv": (l1 * w).sum(), "conf": conf, "den": float(w.sum()), "top1": float(top1),
-            "accept": (accept * vf).sum(0), "count": vf.sum(0)}
+            "accept": (accept * vf).sum(0).cpu(), "count": vf.sum(0).cpu()}
 
 
 def combine(terms: dict, den: float, alpha: tuple[float, float, float]) -> torch.Tensor:
@@ -75,7 +75,7 @@ def valid_blocks(batch: Batch, h: torch.Tensor):
 def batch_loss(model: DSparkModel, batch: Batch, alpha=(0.1, 0.9, 1.0), decay: float = 4.0) -> tuple[torch.Tensor, dict]:
     """Loss of one batch normalised by its own denominator (evaluation and tests; training uses `backward`)."""
     h, prev, labels, valid, th = valid_blocks(batch, forward_hidden(model, batch))
-    terms = block_terms(model, h, prev, labels, valid, th, slot_weights(h.shape[1], decay))
+    terms = block_terms(model, h, prev, labels, valid, th, slot_weights(h.shape[1], decay, h.device))
     return combine(terms, terms["den"], alpha), terms
 
 
@@ -85,7 +85,7 @@ def backward(model: DSparkModel, batch: Batch, den_total: float, alpha, decay: f
     The LM-head part runs in chunks of blocks, each backpropagated at once into a detached copy of h, so only
     one chunk's [rows × V] tensors are alive; the backbone is then backpropagated once from h's gradient."""
     h, prev, labels, valid, th = valid_blocks(batch, forward_hidden(model, batch))
-    weights = slot_weights(h.shape[1], decay)
+    weights = slot_weights(h.shape[1], decay, h.device)
     hd = h.detach().requires_grad_(True)
     stats = {k: 0.0 for k in STAT_KEYS}
     stats["accept"] = torch.zeros(h.shape[1])

@@ -12,7 +12,7 @@ known before any feature is loaded — what makes gradient accumulation and mult
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -40,6 +40,9 @@ class Batch:
     labels: torch.Tensor  # [G, A, γ] y_j = token at anchor + j + 1
     slot_valid: torch.Tensor  # [G, A, γ]
     target_hidden: torch.Tensor  # [G, A, γ, d] target final hidden at anchor + j (predicts y_j)
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def anchor_candidates(mask: torch.Tensor) -> torch.Tensor:
@@ -88,8 +91,8 @@ def collate(plans: list[BlockPlan], source: FeatureSource, feats: list[SeqFeatur
     labels = torch.zeros(G, A, block_size, dtype=torch.long)
     prev_ids = torch.zeros(G, A, block_size, dtype=torch.long)
     slot_valid = torch.zeros(G, A, block_size, dtype=torch.bool)
-    d = feats[0].final.shape[-1]
-    target_hidden = torch.zeros(G, A, block_size, d)
+    d, dev = feats[0].final.shape[-1], feats[0].final.device
+    target_hidden = torch.zeros(G, A, block_size, d, device=dev)  # features stay where the target made them
     for g, (plan, f, n) in enumerate(zip(plans, feats, ctx_lens)):
         ids = source.sequence(plan.index)[0]
         a = len(plan.anchors)
@@ -98,14 +101,15 @@ def collate(plans: list[BlockPlan], source: FeatureSource, feats: list[SeqFeatur
         pos = plan.anchors.unsqueeze(1) + torch.arange(block_size)  # [a, γ] positions anchor + j
         labels[g, :a] = ids[(pos + 1).clamp(max=len(ids) - 1)]
         prev_ids[g, :a] = ids[pos.clamp(max=len(ids) - 1)]
-        target_hidden[g, :a] = f.final[pos.clamp(max=f.final.shape[0] - 1)]
+        target_hidden[g, :a] = f.final[pos.clamp(max=f.final.shape[0] - 1).to(dev)]
     block_ids = torch.full((G, A, block_size), mask_token_id, dtype=torch.long)
     block_ids[:, :, 0] = prev_ids[:, :, 0]
     features = torch.cat([f.layers[:n] for f, n in zip(feats, ctx_lens)])  # [N, m, d]
     ctx_seq = torch.cat([torch.full((n,), g) for g, n in enumerate(ctx_lens)])
     ctx_pos = torch.cat([torch.arange(n) for n in ctx_lens])
-    return Batch(features, ctx_seq, ctx_pos, ctx_index, anchors, block_valid, block_ids, prev_ids, labels,
-                 slot_valid & block_valid.unsqueeze(-1), target_hidden)
+    index = [t.to(dev) for t in (ctx_seq, ctx_pos, ctx_index, anchors, block_valid, block_ids, prev_ids, labels,
+                                 slot_valid & block_valid.unsqueeze(-1))]
+    return Batch(features, *index, target_hidden)
 
 
 def load_batch(source: FeatureSource, plans: list[BlockPlan], block_size: int, mask_token_id: int) -> Batch:

@@ -63,8 +63,11 @@ class Trainer:
             torch.set_num_threads(cfg.run.threads)
         if loaded is None:
             from ..models import load_model
-            loaded = load_model(cfg.target.name, cfg.target.dtype)
+            loaded = load_model(cfg.target.name, cfg.target.dtype, cfg.target.device)
         self.loaded, self.target = loaded, loaded.model
+        self.device = self.target.device
+        if self.world > 1 and self.device.type != "cpu":
+            raise ValueError("multi-process training runs on CPU (gloo); on a GPU use one process")
         arch = make_arch(cfg, self.target)
         self.source = source if source is not None else make_source(cfg, loaded, arch.layer_ids)
         torch.manual_seed(cfg.run.seed)  # the same initial weights in every process
@@ -128,11 +131,11 @@ class Trainer:
         sums = torch.zeros(5 + 2 * block + 2, dtype=torch.float64)
         # Per-micro-batch gradients are summed in their own buffer, so the sum associates the same way as the
         # all-reduce over processes (bitwise-equal results when each process holds one micro-batch).
-        acc = torch.zeros(sum(p.numel() for p in self.params))
+        acc = torch.zeros(sum(p.numel() for p in self.params), device=self.device)
         for ps in plans:
             if not ps:
                 continue
-            batch = load_batch(self.source, ps, block, self.model.arch.mask_token_id)
+            batch = load_batch(self.source, ps, block, self.model.arch.mask_token_id).to(self.device)
             s = backward(self.model, batch, den_total, alpha, cfg.loss.decay, cfg.optim.loss_chunk_blocks)
             sums += torch.cat([torch.tensor([s["ce"], s["tv"], s["conf"], s["den"], s["top1"]], dtype=torch.float64),
                                s["accept"].double(), s["count"].double(),
@@ -197,6 +200,7 @@ class Trainer:
         log = CsvLog(self.out / "train_log.csv", self.step) if self.rank == 0 else None
         bar = progress_bar(cfg.optim.max_steps, self.step, cfg.run.progress and self.rank == 0)
         stats: dict = {}
+        timed_out = False
         try:
             while self.step < cfg.optim.max_steps:
                 t0 = time.perf_counter()
@@ -216,12 +220,14 @@ class Trainer:
                     self.save()
                 if self._out_of_time(t_start):
                     self.save()
+                    timed_out = True
                     break
         finally:
             bar.close()
             if log is not None:
                 log.close()
-        exported = self.export() if self.rank == 0 and self.step >= cfg.optim.max_steps else None
+        done = self.step >= cfg.optim.max_steps or (timed_out and cfg.run.export_on_stop)
+        exported = self.export() if self.rank == 0 and done else None
         return {"step": self.step, "drafter": str(exported) if exported else None, "last": stats, **self.totals}
 
     def _out_of_time(self, t_start: float) -> bool:
