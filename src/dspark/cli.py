@@ -10,6 +10,7 @@ from .decoding.sampling import SamplingError
 from .drafters.base import DrafterError
 from .engine.speculative import PromptTooLongError
 from .models.config import ModelConfigError
+from .bench.common import DOMAINS as DOMAIN_SETS
 from .models.loader import DEFAULT_MODEL, EMBEDDED, ModelNotFoundError
 from .models.weights import WeightsError
 
@@ -92,6 +93,21 @@ def add_bench(sub) -> None:
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--out", type=Path, default=Path("results/serving"))
     s.set_defaults(func=run_bench_serve)
+    a = bench.add_parser("acceptance", help="τ per set/domain, conditional acceptance per position, per drafter",
+                         description="Each drafter drafts γ tokens per round and all are verified (fixed-γ) on the "
+                                     "same prompts; writes results/acceptance/acceptance.{json,md} and a plot.")
+    a.add_argument("--model", default=DEFAULT_MODEL)
+    a.add_argument("--drafters", default="ngram", help="comma-separated drafter names or checkpoint paths")
+    a.add_argument("--sets", default=",".join(DOMAIN_SETS), help="comma-separated benchmark sets")
+    a.add_argument("--limit", type=int, default=20, help="prompts per set")
+    a.add_argument("--temperatures", default="0,1")
+    a.add_argument("--gamma", type=int, default=7)
+    a.add_argument("--max-new-tokens", type=int, default=256)
+    a.add_argument("--batch", type=int, default=16, help="concurrent requests in the engine")
+    a.add_argument("--speed-prompts", type=int, default=0, help="per set: batch-1 speed vs plain decoding")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--out", type=Path, default=Path("results/acceptance"))
+    a.set_defaults(func=run_bench_acceptance)
 
 
 def run_bench_runtime(args) -> int:
@@ -102,6 +118,16 @@ def run_bench_runtime(args) -> int:
                              temperatures=tuple(float(t) for t in args.temperatures.split(",")),
                              hf=not args.skip_hf, out=args.out)
     run(cfg)
+    return 0
+
+
+def run_bench_acceptance(args) -> int:
+    from .bench.acceptance import AcceptanceConfig, run
+
+    run(AcceptanceConfig(model=args.model, drafters=tuple(args.drafters.split(",")), sets=tuple(args.sets.split(",")),
+                         per_set=args.limit, temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+                         gamma=args.gamma, max_new_tokens=args.max_new_tokens, batch=args.batch,
+                         speed_prompts=args.speed_prompts, seed=args.seed, out=args.out))
     return 0
 
 
@@ -171,6 +197,34 @@ def _simulate(argv) -> int:
     return 0
 
 
+def add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="fit STS confidence calibration on held-out rollouts; save with the drafter",
+                       description="Rollouts at full block record raw confidence logits and realised acceptance; "
+                                   "STS is fitted on half the requests and reported on the other half (ECE, "
+                                   "ROC-AUC, Brier per position, reliability diagram, threshold sweep). Writes "
+                                   "calibration.json into the drafter directory.")
+    p.add_argument("--drafter", required=True, help="trained drafter directory (with a confidence head)")
+    p.add_argument("--prompts", required=True, help="held-out prompt .jsonl (never the drafter's training data)")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--limit", type=int, default=200, help="prompts to roll out")
+    p.add_argument("--skip", type=int, default=0, help="skip the first N prompts of the file")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("results/calibration"))
+    p.set_defaults(func=run_calibrate)
+
+
+def run_calibrate(args) -> int:
+    from .calibrate import CalibrateConfig, run
+
+    run(CalibrateConfig(drafter=args.drafter, prompts=args.prompts, model=args.model, limit=args.limit,
+                        skip=args.skip, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                        batch=args.batch, seed=args.seed, out=args.out))
+    return 0
+
+
 def _optional_commands(sub) -> None:
     """Training and serving live in their own packages (training never imports the engine or server)."""
     from .serving.cli import add_serve
@@ -183,7 +237,7 @@ def _optional_commands(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="Lossless confidence-scheduled speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (add_generate, add_bench, add_models, add_profile, add_simulate, _optional_commands):
+    for add in (add_generate, add_bench, add_models, add_profile, add_simulate, add_calibrate, _optional_commands):
         add(sub)
     return parser
 

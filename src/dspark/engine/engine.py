@@ -33,6 +33,7 @@ class EngineConfig:
     kv_budget_tokens: int | None = None  # None: derived from kv_budget_gb
     kv_budget_gb: float = 4.0
     prefill_chunk: int = 512
+    record_confidences: bool = False  # keep each round's raw confidence logits on the request (calibration)
 
     def __post_init__(self) -> None:
         if self.gamma < 1 or self.max_running < 1 or self.prefill_chunk < 1:
@@ -154,6 +155,9 @@ class Engine:
                 req.cache.truncate(len(req.prompt) + len(req.output) + a)  # anchor + accepted drafts stay
                 req.rounds, req.drafted, req.accepted = req.rounds + 1, req.drafted + int(plan.lengths[i]), req.accepted + a
                 req.accepted_hist.append(a)
+                req.verified_hist.append(int(plan.lengths[i]))
+                if self.config.record_confidences and plan.confidence_logits is not None:
+                    req.confidence_hist.append(plan.confidence_logits[i])
                 self.stats.record_round(int(plan.lengths[i]), a)
                 self._observed.append((req, plan.decode_token_rows[i][0], a + 1))  # anchor + accepted drafts
                 outputs.append(self._emit(req, result.emitted(plan.drafts, i)))

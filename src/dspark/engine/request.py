@@ -39,6 +39,8 @@ class Request:
     drafted: int = 0
     accepted: int = 0
     accepted_hist: list[int] = field(default_factory=list)
+    verified_hist: list[int] = field(default_factory=list)  # drafts verified per round (ℓ)
+    confidence_hist: list = field(default_factory=list)  # raw confidence logits [γ] per round, when recorded
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None

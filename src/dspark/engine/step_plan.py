@@ -20,6 +20,7 @@ class StepPlan:
     lengths: torch.Tensor | None = None  # [R] ℓ_r chosen by the policy
     draft_probs: torch.Tensor | None = None  # [R, γ, V] or None (point masses)
     confidences: np.ndarray | None = None  # [R, γ]
+    confidence_logits: np.ndarray | None = None  # [R, γ] raw head logits, before calibration (for `calibrate`)
     decode_logit_rows: list[slice] = field(default_factory=list)  # per decoding request, into the M logits
     decode_token_rows: list[list[int]] = field(default_factory=list)  # per decoding request, into N
     prefilling: list[Request] = field(default_factory=list)
@@ -35,26 +36,28 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
     R = len(decoding)
     drafts, lengths = torch.zeros(R, gamma, dtype=torch.long), torch.zeros(R, dtype=torch.long)
     if R == 0:  # nothing to draft for; stateful policies must not record an empty step
-        return drafts, lengths, None, None
+        return drafts, lengths, None, None, None
     if drafter is None or not policy.prepare(R):
         policy.select(None, n_requests=R, gamma=gamma)  # keeps stateful policies in step
-        return drafts, lengths, None, None
+        return drafts, lengths, None, None, None
     proposal = drafter.propose([r.draft for r in decoding])
     conf = None if proposal.confidences is None else proposal.confidences.double().numpy()
     chosen = torch.as_tensor(np.asarray(policy.select(conf, n_requests=R, gamma=gamma)), dtype=torch.long)
     room = torch.tensor([min(r.params.max_new_tokens - len(r.output), max_position - r.num_tokens) - 1
                          for r in decoding])  # tokens a round may add beyond the anchor
     lengths = torch.minimum(torch.minimum(chosen, proposal.num_tokens), room.clamp(min=0))
-    return proposal.tokens[:, :gamma], lengths, proposal.probs, conf
+    raw = getattr(proposal, "confidence_logits", None)
+    raw = None if raw is None else raw[:, :gamma].double().numpy()
+    return proposal.tokens[:, :gamma], lengths, proposal.probs, conf, raw
 
 
 def plan_step(running: list[Request], drafter, policy, config, max_position: int) -> StepPlan:
     decoding = [r for r in running if r.status is Status.DECODE]
     prefilling = [r for r in running if r.status is Status.PREFILL]
-    drafts, lengths, probs, conf = _draft(decoding, drafter, policy, config.gamma, max_position)
+    drafts, lengths, probs, conf, raw = _draft(decoding, drafter, policy, config.gamma, max_position)
     pieces, segments, logit_rows = [], [], []
     plan = StepPlan(tokens=torch.empty(0), segments=segments, logit_rows=torch.empty(0), decoding=decoding,
-                    drafts=drafts, lengths=lengths, draft_probs=probs, confidences=conf)
+                    drafts=drafts, lengths=lengths, draft_probs=probs, confidences=conf, confidence_logits=raw)
     n = 0
     for i, req in enumerate(decoding):
         block = [req.output[-1], *drafts[i, : int(lengths[i])].tolist()]  # anchor, then ℓ drafts

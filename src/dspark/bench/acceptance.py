@@ -1,0 +1,179 @@
+"""`dspark bench acceptance`: how many tokens each drafter gets accepted per round, per set and domain.
+
+Every drafter runs the same prompts through the batched engine with a fixed-γ policy (every drafted token is
+verified), so τ measures the drafter alone, not the scheduler. Reported per benchmark set, per domain and as a
+macro-average over sets; relative gains against the first drafter; the position-wise *conditional* acceptance
+P(slot k accepted | slots < k accepted) over full-length rounds, with a plot. Optionally (`--speed-prompts`)
+batch-1 wall-clock speed against plain decoding, interleaved per prompt so machine noise hits both alike.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..decoding import SamplingParams
+from ..drafters import make_drafter
+from ..engine.engine import Engine, EngineConfig
+from ..generate import prompt_ids
+from ..models import load_model
+from ..scheduling.registry import make_policy
+from .common import DOMAINS, load_bench_prompts, machine_info, markdown_table, median, write_results
+
+ALL_SETS = tuple(DOMAINS)
+
+
+@dataclass(frozen=True)
+class AcceptanceConfig:
+    model: str = "smollm2-135m-instruct"
+    drafters: tuple[str, ...] = ("default",)
+    sets: tuple[str, ...] = ALL_SETS
+    per_set: int = 20
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    gamma: int = 7
+    max_new_tokens: int = 256
+    batch: int = 16  # concurrent requests in the engine (τ does not depend on it: see tests)
+    speed_prompts: int = 0  # per set, batch 1, against plain decoding; 0 = skip
+    seed: int = 0
+    out: Path = field(default=Path("results/acceptance"))
+
+
+def round_records(engine_requests) -> list[tuple[int, int]]:
+    """[(verified ℓ, accepted a)] over all rounds of the given finished requests."""
+    return [(v, a) for r in engine_requests for v, a in zip(r.verified_hist, r.accepted_hist)]
+
+
+def conditional_acceptance(rounds: list[tuple[int, int]], gamma: int) -> list[float | None]:
+    """P(slot k accepted | slots < k accepted), k = 1..γ, over rounds that verified all γ slots."""
+    full = [a for v, a in rounds if v == gamma]
+    out = []
+    for k in range(1, gamma + 1):
+        reached = sum(a >= k - 1 for a in full)
+        out.append(sum(a >= k for a in full) / reached if reached else None)
+    return out
+
+
+def tau_of(rounds: list[tuple[int, int]]) -> float:
+    """Mean tokens per round, the bonus/replacement token included."""
+    return sum(a + 1 for _, a in rounds) / len(rounds) if rounds else float("nan")
+
+
+def run_engine(loaded, drafter, prompts: list[tuple[str, list[int]]], temperature: float, cfg: AcceptanceConfig):
+    """All prompts through one engine at fixed γ -> (finished requests, wall seconds)."""
+    policy = make_policy(f"fixed-{cfg.gamma}")
+    engine = Engine(loaded.model, loaded.tokenizer, drafter, policy, loaded.eos_ids,
+                    EngineConfig(gamma=cfg.gamma, max_running=cfg.batch))
+    reqs = []
+    for i, (_, ids) in enumerate(prompts):
+        params = SamplingParams(temperature=temperature, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + i)
+        reqs.append(engine.add_request(ids, params))
+    t0 = time.perf_counter()
+    while any(not r.finished for r in reqs):
+        engine.step()
+    return reqs, time.perf_counter() - t0
+
+
+def summarise(name: str, temperature: float, prompts, reqs, seconds: float, gamma: int) -> dict:
+    by_set: dict[str, list] = {}
+    for (set_name, _), r in zip(prompts, reqs):
+        by_set.setdefault(set_name, []).append(r)
+    per_set = {s: tau_of(round_records(rs)) for s, rs in by_set.items()}
+    domains: dict[str, list[float]] = {}
+    for s, t in per_set.items():
+        domains.setdefault(DOMAINS.get(s, "other"), []).append(t)
+    rounds = round_records(reqs)
+    return {"drafter": name, "temperature": temperature, "per_set": per_set,
+            "per_domain": {d: sum(v) / len(v) for d, v in domains.items()},
+            "macro_tau": sum(per_set.values()) / len(per_set), "micro_tau": tau_of(rounds),
+            "conditional_acceptance": conditional_acceptance(rounds, gamma), "rounds": len(rounds),
+            "output_tokens": sum(len(r.output) for r in reqs), "seconds": seconds,
+            "errors": [r.error for r in reqs if r.error]}
+
+
+def speed_vs_plain(loaded, drafter, prompts, temperature: float, cfg: AcceptanceConfig) -> dict:
+    """Batch-1 tokens/s with the drafter and without, interleaved per prompt."""
+    from ..engine.speculative import Generation, TransformerTarget
+
+    target = TransformerTarget(loaded.model, hidden_layers=tuple(getattr(drafter, "needs_layers", ())))
+    rates = {"plain": [], "spec": []}
+    for i, (_, ids) in enumerate(prompts):
+        for kind, d in (("plain", None), ("spec", drafter)):
+            params = SamplingParams(temperature=temperature, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + i)
+            gen = Generation(target, d, ids, params, loaded.eos_ids)
+            for _ in gen:
+                pass
+            rates[kind].append(gen.stats.new_tokens / gen.stats.total_s)
+    plain, spec = median(rates["plain"]), median(rates["spec"])
+    return {"prompts": len(prompts), "plain_tok_s": plain, "spec_tok_s": spec, "speedup": spec / plain}
+
+
+def _tables(cfg: AcceptanceConfig, rows: list[dict]) -> str:
+    sets = [s for s in cfg.sets]
+    md = []
+    for t in cfg.temperatures:
+        these = [r for r in rows if r["temperature"] == t]
+        base = these[0]["macro_tau"] if these else float("nan")
+        md += [f"\n## T = {t}\n", markdown_table(
+            ["drafter", *sets, "math", "code", "chat", "macro τ", "vs first"],
+            [[r["drafter"], *[r["per_set"].get(s, float("nan")) for s in sets],
+              *[r["per_domain"].get(d, float("nan")) for d in ("math", "code", "chat")], r["macro_tau"],
+              f"{r['macro_tau'] / base:.3f}×"] for r in these])]
+        md += ["\nConditional acceptance P(slot k | slots < k), full-length rounds:\n", markdown_table(
+            ["drafter", *[f"k={k}" for k in range(1, cfg.gamma + 1)]],
+            [[r["drafter"], *["-" if c is None else c for c in r["conditional_acceptance"]]] for r in these])]
+        speed = [r for r in these if "speed" in r]
+        if speed:
+            md += ["\nBatch-1 speed against plain decoding (median tok/s):\n", markdown_table(
+                ["drafter", "prompts", "plain", "speculative", "speedup"],
+                [[r["drafter"], r["speed"]["prompts"], r["speed"]["plain_tok_s"], r["speed"]["spec_tok_s"],
+                  f"{r['speed']['speedup']:.2f}×"] for r in speed])]
+    return "\n".join(md)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 3.6), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        for r in (r for r in rows if r["temperature"] == t):
+            ys = r["conditional_acceptance"]
+            ax.plot(range(1, len(ys) + 1), [float("nan") if y is None else y for y in ys], marker="o",
+                    label=f"{r['drafter']} (τ {r['macro_tau']:.2f})")
+        ax.set(title=f"T = {t}", xlabel="draft position k", ylabel="P(accept k | accepted < k)", ylim=(0, 1))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(cfg: AcceptanceConfig) -> dict:
+    loaded = load_model(cfg.model)
+    texts = load_bench_prompts(cfg.sets, cfg.per_set)
+    prompts = [(s, prompt_ids(loaded.tokenizer, text, True)) for s, text in texts]
+    speed_set = [p for s in cfg.sets for p in [q for q in prompts if q[0] == s][:cfg.speed_prompts]]
+    rows = []
+    for spec in cfg.drafters:
+        drafter = make_drafter(spec, target=loaded.model, gamma=cfg.gamma)
+        if drafter is None:
+            raise ValueError("bench acceptance compares drafters; 'none' drafts nothing")
+        for t in cfg.temperatures:
+            reqs, seconds = run_engine(loaded, drafter, prompts, t, cfg)
+            row = summarise(spec, t, prompts, reqs, seconds, cfg.gamma)
+            if speed_set:
+                row["speed"] = speed_vs_plain(loaded, drafter, speed_set, t, cfg)
+            rows.append(row)
+            print(f"{spec} T={t}: macro τ {row['macro_tau']:.3f} ({row['rounds']} rounds, {seconds:.0f} s)",
+                  flush=True)
+    data = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
+            "machine": machine_info(), "results": rows}
+    md = (f"# Acceptance ({cfg.model}, γ = {cfg.gamma}, {cfg.per_set} prompts per set, "
+          f"{cfg.max_new_tokens} new tokens, fixed-γ verification)\n\nMachine: {data['machine']['cpu']}, "
+          f"torch {data['machine']['torch']}, {data['machine']['date']}\n" + _tables(cfg, rows) + "\n")
+    write_results(cfg.out, "acceptance", data, md)
+    plot(rows, cfg.out / "conditional_acceptance.png")
+    print(md)
+    return data

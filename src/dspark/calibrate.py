@@ -1,0 +1,111 @@
+"""`dspark calibrate`: fit Sequential Temperature Scaling on held-out rollouts and save it with the drafter.
+
+Rollouts run through the batched engine at full block (fixed-γ: every draft verified), recording each round's
+raw confidence logits [γ] and how many drafts the target accepted. Requests are split in two halves (rounds of
+one request are correlated, so the split is by request): STS is fitted on one half and every metric — ECE,
+ROC-AUC, Brier per position, before and after — is measured on the other. The temperatures go into the
+drafter's calibration.json, which the drafter then applies; the report (metrics table, reliability diagram,
+static-threshold sweep) and the calibrated acceptance traces (the simulator's input) go to --out.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from .decoding import SamplingParams
+from .engine.engine import Engine, EngineConfig
+from .generate import prompt_ids
+from .models import load_model
+from .scheduling.calibration import Calibration, evaluate, fit_sts
+from .scheduling.registry import make_policy
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    drafter: str
+    prompts: str
+    model: str = "smollm2-135m-instruct"
+    limit: int = 200
+    skip: int = 0  # leave the first N prompts out (e.g. those the drafter was trained on)
+    temperature: float = 1.0
+    max_new_tokens: int = 256
+    batch: int = 16
+    seed: int = 0
+    out: Path = Path("results/calibration")
+
+
+def read_turns(path: str, skip: int, limit: int) -> list[str]:
+    """First user turns of a prompt file ({"turns": [...]}, {"messages": [...]} or {"prompt": ...})."""
+    from .training.conversations import read_prompts
+
+    records, _ = read_prompts(path, skip_bad=True, limit=skip + limit)
+    return [r.turns[0] for r in records[skip:]]
+
+
+def rollouts(loaded, drafter, texts: list[str], cfg: CalibrateConfig):
+    """-> per request: (raw logits [rounds, γ], n_acc [rounds]) over full-length rounds only."""
+    gamma = drafter.gamma
+    engine = Engine(loaded.model, loaded.tokenizer, drafter, make_policy(f"fixed-{gamma}"), loaded.eos_ids,
+                    EngineConfig(gamma=gamma, max_running=cfg.batch, record_confidences=True))
+    reqs = [engine.add_request(prompt_ids(loaded.tokenizer, t, True),
+                               SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                                              seed=cfg.seed + i)) for i, t in enumerate(texts)]
+    while any(not r.finished for r in reqs):
+        engine.step()
+    out = []
+    for r in reqs:
+        full = [(c, a) for c, v, a in zip(r.confidence_hist, r.verified_hist, r.accepted_hist) if v == gamma]
+        logits = np.array([c for c, _ in full], dtype=np.float64).reshape(-1, gamma)
+        out.append((logits, np.array([a for _, a in full], dtype=np.int64)))
+    return out
+
+
+def split_halves(per_request):
+    """Requests alternate between the fitting half and the held-out half."""
+    def cat(part):
+        gamma = per_request[0][0].shape[1]
+        return (np.concatenate([p[0] for p in part]) if part else np.zeros((0, gamma)),
+                np.concatenate([p[1] for p in part]) if part else np.zeros(0, dtype=np.int64))
+    return cat(per_request[0::2]), cat(per_request[1::2])
+
+
+def run(cfg: CalibrateConfig) -> dict:
+    from .drafters import make_drafter
+    from .scheduling.calibration_report import metrics_table, write_calibration_report
+    from .scheduling.traces import from_rollouts
+
+    loaded = load_model(cfg.model)
+    drafter = make_drafter(cfg.drafter, target=loaded.model, calibration=False)
+    if drafter is None or not drafter.has_confidence:
+        raise ValueError(f"{cfg.drafter} has no confidence head: nothing to calibrate (DFlash/n-gram drafters "
+                         f"work with the fixed-K policies only)")
+    texts = read_turns(cfg.prompts, cfg.skip, cfg.limit)
+    if len(texts) < 4:
+        raise ValueError(f"{cfg.prompts}: {len(texts)} usable prompts after --skip {cfg.skip}; need at least 4")
+    t0 = time.perf_counter()
+    (fit_l, fit_n), (held_l, held_n) = split_halves(rollouts(loaded, drafter, texts, cfg))
+    seconds = time.perf_counter() - t0
+    if len(fit_l) == 0 or len(held_l) == 0:
+        raise ValueError("the rollouts produced no full-length rounds; use more prompts or --max-new-tokens")
+    fitted = fit_sts(fit_l, fit_n)
+    gamma = fit_l.shape[1]
+    held = replace(fitted, before=evaluate(Calibration.identity(gamma), held_l, held_n),
+                   after=evaluate(fitted, held_l, held_n), n_rounds=len(held_l))
+    paths = write_calibration_report(held, held_l, held_n, cfg.out)
+    held.save(Path(cfg.drafter) / "calibration.json")  # the drafter applies it from now on
+    all_l, all_n = np.concatenate([fit_l, held_l]), np.concatenate([fit_n, held_n])
+    from_rollouts(all_l, all_n, fitted).save(cfg.out / "traces.npz")
+    summary = {"drafter": cfg.drafter, "prompts": cfg.prompts, "requests": len(texts),
+               "fit_rounds": int(len(fit_l)), "heldout_rounds": int(len(held_l)),
+               "temperature": cfg.temperature, "seconds": round(seconds, 1),
+               "tau_full_block": float(all_n.mean() + 1), "temperatures": list(fitted.temperatures),
+               "max_ece_before": max(m.ece for m in held.before), "max_ece_after": max(m.ece for m in held.after),
+               "files": {k: str(v) for k, v in paths.items()}}
+    (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(metrics_table(held))
+    print(json.dumps({k: v for k, v in summary.items() if k != "files"}))
+    return summary
