@@ -1,0 +1,84 @@
+"""`dspark calibrate` and `dspark bench acceptance` on a tiny random target (no SmolLM2, no ../shared)."""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "training"))
+from tiny_target import make_target_dir  # noqa: E402
+
+from dspark.bench.acceptance import AcceptanceConfig, conditional_acceptance, run_engine, tau_of  # noqa: E402
+from dspark.calibrate import CalibrateConfig, run as calibrate  # noqa: E402
+from dspark.drafters import make_drafter  # noqa: E402
+from dspark.drafters.dspark_checkpoint import save_drafter  # noqa: E402
+from dspark.drafters.dspark_model import DrafterArch, DSparkModel  # noqa: E402
+from dspark.generate import prompt_ids  # noqa: E402
+from dspark.models import load_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    loaded = load_model(str(make_target_dir(root / "target")))
+    paths = {}
+    for kind in ("dspark", "dflash"):
+        arch = DrafterArch(drafter_type=kind, layer_ids=(0, 1, 2), num_layers=1, block_size=4,
+                           mask_token_id=loaded.config.vocab_size - 1, head="markov" if kind == "dspark" else "none",
+                           rank=8 if kind == "dspark" else 0, confidence=kind == "dspark")
+        torch.manual_seed(0)
+        model = DSparkModel(arch, loaded.model)
+        model.init_from_target(loaded.model)
+        paths[kind] = save_drafter(root / kind, model, loaded.model, target_name=str(root / "target"))
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"count to {i} and back"]}) + "\n" for i in range(12)))
+    return root, loaded, paths, prompts
+
+
+def test_conditional_acceptance_uses_full_rounds_only():
+    rounds = [(7, 0), (7, 3), (7, 7), (5, 2)]
+    cond = conditional_acceptance(rounds, 7)
+    assert cond[0] == pytest.approx(2 / 3) and cond[1] == 1.0 and cond[3] == pytest.approx(1 / 2)
+    assert tau_of(rounds) == pytest.approx((1 + 4 + 8 + 3) / 4)
+    assert conditional_acceptance([(3, 1)], 7) == [None] * 7
+
+
+def test_tau_at_batch_8_equals_batch_1(tiny):
+    """Batched evaluation with ragged verification: each request's rounds depend only on its own seed."""
+    root, loaded, paths, prompts = tiny
+    drafter = make_drafter(str(paths["dspark"]), target=loaded.model)
+    texts = [json.loads(line)["turns"][0] for line in prompts.read_text().splitlines()[:8]]
+    ids = [("s", prompt_ids(loaded.tokenizer, t, True)) for t in texts]
+    taus = {}
+    for batch in (1, 8):
+        cfg = AcceptanceConfig(model=str(root / "target"), gamma=4, max_new_tokens=24, batch=batch)
+        reqs, _ = run_engine(loaded, drafter, ids, 1.0, cfg)
+        taus[batch] = [r.accepted_hist for r in reqs]
+    assert taus[1] == taus[8]
+
+
+def test_calibrate_fits_on_half_and_saves_with_the_drafter(tiny, tmp_path):
+    root, loaded, paths, prompts = tiny
+    drafter_dir = tmp_path / "d"
+    import shutil
+    shutil.copytree(paths["dspark"], drafter_dir)
+    summary = calibrate(CalibrateConfig(drafter=str(drafter_dir), prompts=str(prompts), model=str(root / "target"),
+                                        limit=10, max_new_tokens=24, batch=5, out=tmp_path / "report"))
+    assert summary["fit_rounds"] > 0 and summary["heldout_rounds"] > 0
+    cal = json.loads((drafter_dir / "calibration.json").read_text())
+    assert len(cal["temperatures"]) == 4 and cal["n_rounds"] == summary["heldout_rounds"]
+    for name in ("calibration_metrics.md", "threshold_sweep.json", "traces.npz", "summary.json"):
+        assert (tmp_path / "report" / name).is_file(), name
+    with np.load(tmp_path / "report" / "traces.npz") as z:
+        assert z["conf"].shape == (summary["fit_rounds"] + summary["heldout_rounds"], 4)
+    calibrated = make_drafter(str(drafter_dir), target=loaded.model)
+    assert calibrated.calibration is not None and calibrated.calibration.temperatures == tuple(cal["temperatures"])
+
+
+def test_calibrate_refuses_a_drafter_without_confidence_head(tiny, tmp_path):
+    root, _, paths, prompts = tiny
+    with pytest.raises(ValueError, match="no confidence head"):
+        calibrate(CalibrateConfig(drafter=str(paths["dflash"]), prompts=str(prompts), model=str(root / "target"),
+                                  limit=4, out=tmp_path))
