@@ -169,6 +169,7 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--out", required=True, help="output .jsonl")
     s.add_argument("--count", type=int, default=6000)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--interleave-with", help="alternate with a seeded shuffle of this prompt file's records")
     s.set_defaults(func=cmd_synth_prompts)
 
 
@@ -177,7 +178,8 @@ def cmd_synth_prompts(args) -> int:
 
     if args.count < 1:
         raise ValueError("--count must be at least 1")
-    print(json.dumps({"prompts": write_prompts(args.out, args.count, args.seed), "out": args.out}))
+    n = write_prompts(args.out, args.count, args.seed, args.interleave_with)
+    print(json.dumps({"prompts": n, "out": args.out}))
     return 0
 
 

@@ -140,10 +140,25 @@ def synthesize(count: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def write_prompts(path: str | Path, count: int, seed: int = 0) -> int:
+def interleave(synth: list[dict], other_file: str | Path, seed: int = 0) -> list[dict]:
+    """synth[0], other[0], synth[1], other[1], ...: `other` is a seeded shuffle of another prompt file, cut to
+    len(synth) — so a time-boxed datagen over the result always holds both kinds in equal parts."""
+    with open(other_file, encoding="utf-8") as f:
+        other = [json.loads(line) for line in f if line.strip()]
+    random.Random(seed).shuffle(other)
+    out = []
+    for a, b in zip(synth, other[: len(synth)]):
+        out += [a, b]
+    return out
+
+
+def write_prompts(path: str | Path, count: int, seed: int = 0, interleave_with: str | Path | None = None) -> int:
+    records = synthesize(count, seed)
+    if interleave_with:
+        records = interleave(records, interleave_with, seed)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in synthesize(count, seed)))
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     tmp.replace(path)
-    return count
+    return len(records)

@@ -1,0 +1,63 @@
+"""Drafters shipped inside the package, found by the target they were trained for.
+
+`shipped/<name>/` holds a trained drafter checkpoint (config.json + bf16 model.safetensors, + calibration.json).
+A checkpoint records its target's fingerprint (shapes and an embedding signature), so the right one is found
+from the loaded target itself, whatever name or path it was loaded by.
+
+    dspark   the shipped DSpark drafter for this target (an error listing what is shipped when there is none)
+    auto     the shipped drafter when there is one for this target, else n-gram prompt lookup
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .base import DrafterError, register_drafter
+from .dspark_checkpoint import check_target
+
+SHIPPED_DIR = Path(__file__).parent / "shipped"
+
+
+def shipped_dirs() -> list[Path]:
+    if not SHIPPED_DIR.is_dir():
+        return []
+    return sorted(p for p in SHIPPED_DIR.iterdir() if (p / "config.json").is_file() and
+                  (p / "model.safetensors").is_file())
+
+
+def shipped_for(target) -> Path | None:
+    """The shipped drafter directory whose recorded target matches `target` (shapes and weights), or None."""
+    from .dspark import _transformer
+
+    model = _transformer(target)
+    for path in shipped_dirs():
+        saved = json.loads((path / "config.json").read_text()).get("target", {})
+        try:
+            check_target(saved, model, str(path))
+        except DrafterError:
+            continue
+        return path
+    return None
+
+
+@register_drafter("dspark")
+def shipped_dspark(target=None, gamma: int | None = None, **options):
+    from .dspark import load_dspark
+
+    path = shipped_for(target)
+    if path is None:
+        names = [p.name for p in shipped_dirs()] or ["none"]
+        raise DrafterError(f"no shipped DSpark drafter matches this target (shipped: {', '.join(names)}); train "
+                           f"one with `dspark train` and pass its directory as the drafter")
+    return load_dspark(path, target, gamma, **options)
+
+
+@register_drafter("auto")
+def auto_drafter(target=None, gamma: int | None = None, **options):
+    from .dspark import load_dspark
+    from .ngram import NGramDrafter
+
+    path = shipped_for(target)
+    if path is not None:
+        return load_dspark(path, target, gamma, **options)
+    return NGramDrafter(target=target, **({} if gamma is None else {"gamma": gamma}))
