@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .decoding.sampling import SamplingError
 from .drafters.base import DrafterError
+from .drafters.deepspec_layout import add_export
 from .engine.speculative import PromptTooLongError
 from .models.config import ModelConfigError
 from .bench.common import DOMAINS as DOMAIN_SETS
@@ -237,7 +238,8 @@ def _optional_commands(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="Lossless confidence-scheduled speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (add_generate, add_bench, add_models, add_profile, add_simulate, add_calibrate, _optional_commands):
+    for add in (add_generate, add_bench, add_models, add_profile, add_simulate, add_calibrate, _optional_commands,
+                add_export):
         add(sub)
     return parser
 

@@ -97,10 +97,16 @@ def make_drafter(spec: str, target=None, gamma: int | None = None, **options) ->
                            f"or the path of a trained drafter directory")
     config_file = path / "config.json" if path.is_dir() else path
     try:
-        kind = json.loads(config_file.read_text())["drafter_type"]
+        config = json.loads(config_file.read_text())
+        # A Hugging Face config (architectures, no drafter_type) is DeepSpec's layout; its loader checks the rest.
+        hf_layout = isinstance(config, dict) and "drafter_type" not in config and "architectures" in config
+        kind = "deepspec" if hf_layout else config["drafter_type"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise DrafterError(f"{path} is not a drafter checkpoint: expected config.json with a 'drafter_type' "
-                           f"field ({type(exc).__name__}: {exc})") from None
+                           f"field (ours) or DeepSpec's Hugging Face layout ('architectures': "
+                           f"['Qwen3DSparkModel'], ...) ({type(exc).__name__}: {exc})") from None
+    if kind == "deepspec":
+        from . import deepspec_layout  # noqa: F401  (registers checkpoint:deepspec; imported late: it needs dspark)
     loader = _REGISTRY.get(f"checkpoint:{kind}")
     if loader is None:
         known = [k.split(":", 1)[1] for k in _REGISTRY if k.startswith("checkpoint:")]
