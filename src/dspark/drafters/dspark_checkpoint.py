@@ -93,9 +93,10 @@ def read_config(path: str | os.PathLike) -> dict:
     return config
 
 
-def load_drafter_model(path: str | os.PathLike, target: Transformer,
-                       strict_target: bool = True) -> tuple[DSparkModel, dict]:
-    """-> (model in eval mode, fp32, config.json contents). Missing or unexpected weights are refused."""
+def load_drafter_model(path: str | os.PathLike, target: Transformer, strict_target: bool = True,
+                       model_cls=DSparkModel) -> tuple[DSparkModel, dict]:
+    """-> (model in eval mode, fp32, config.json contents). Missing or unexpected weights are refused.
+    `model_cls(arch, target)` builds the network (DSparkModel; Eagle3Model for the EAGLE-3 baseline)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -108,7 +109,7 @@ def load_drafter_model(path: str | os.PathLike, target: Transformer,
         raise DrafterError(f"{path}/{CONFIG}: drafter_type {config.get('drafter_type')!r} disagrees with "
                            f"arch.drafter_type {arch.drafter_type!r}")
     check_target(config.get("target", {}), target, str(path), strict_target)
-    model = DSparkModel(arch, target)
+    model = model_cls(arch, target)
     try:
         tensors = load_file(str(path / WEIGHTS))
     except Exception as exc:  # missing, truncated or corrupt file

@@ -26,7 +26,7 @@ class TargetSection:
 
 @dataclass(frozen=True)
 class DrafterSection:
-    type: str = "dspark"  # "dspark" | "dflash"
+    type: str = "dspark"  # "dspark" | "dflash" | "eagle3" (the EAGLE-3 baseline: one layer, TTT over block_size)
     num_layers: int = 1
     layer_ids: tuple[int, ...] = ()  # empty = num_feature_layers spread from layer 1 to L−3
     num_feature_layers: int = 5
@@ -100,7 +100,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.drafter.type in ("dspark", "dflash"), "drafter.type must be 'dspark' or 'dflash'"),
+            (self.drafter.type in ("dspark", "dflash", "eagle3"),
+             "drafter.type must be 'dspark', 'dflash' or 'eagle3'"),
+            (self.drafter.type != "eagle3" or self.drafter.num_layers == 1, "an eagle3 drafter has num_layers = 1"),
             (self.drafter.head in ("markov", "rnn", "none"), "drafter.head must be 'markov', 'rnn' or 'none'"),
             (self.drafter.num_layers >= 1 and self.drafter.block_size >= 1, "drafter sizes must be >= 1"),
             (self.drafter.head == "none" or self.drafter.rank >= 1, "drafter.rank must be >= 1 with a head"),

@@ -12,13 +12,17 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..drafters.dspark_checkpoint import save_drafter
 from ..drafters.dspark_model import DrafterArch, DSparkModel, default_layer_ids
+from ..drafters.eagle3_model import Eagle3Model
+from . import eagle3_losses
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .losses import backward, slot_weights, tau_estimate
@@ -33,14 +37,35 @@ def init_distributed() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """What a drafter type changes in training; everything else (steps, accumulation, resume) is shared."""
+
+    model: Callable  # (arch, target) -> the network
+    plan: Callable  # packing.plan_batch's signature
+    load: Callable  # packing.load_batch's signature
+    weights: Callable  # (block_size, LossSection) -> [γ] slot weights
+    alpha: Callable  # LossSection -> (ce, tv, conf) coefficients of the logged loss
+    backward: Callable  # losses.backward's signature
+
+
+_DSPARK = Recipe(DSparkModel, plan_batch, load_batch, lambda block, loss: slot_weights(block, loss.decay),
+                 lambda loss: (loss.ce, loss.tv, loss.conf), backward)
+# EAGLE-3 baseline: TTT over the chain; "ce" is its soft cross-entropy −Σ p log q, the whole loss.
+_EAGLE3 = Recipe(Eagle3Model, eagle3_losses.plan_batch, eagle3_losses.load_batch,
+                 lambda block, loss: eagle3_losses.step_weights(block), lambda loss: (1.0, 0.0, 0.0),
+                 eagle3_losses.backward)
+RECIPES = {"dspark": _DSPARK, "dflash": _DSPARK, "eagle3": _EAGLE3}
+
+
 def make_arch(cfg: TrainConfig, target) -> DrafterArch:
     c, tc = cfg.drafter, target.config
-    dflash = c.type == "dflash"
+    plain = c.type in ("dflash", "eagle3")  # no sequential or confidence head
     return DrafterArch(drafter_type=c.type, layer_ids=tuple(c.layer_ids) or default_layer_ids(
         tc.num_layers, c.num_feature_layers), num_layers=c.num_layers, block_size=c.block_size,
         mask_token_id=c.mask_token_id if c.mask_token_id >= 0 else tc.vocab_size - 1,
-        head="none" if dflash else c.head, rank=0 if dflash or c.head == "none" else c.rank,
-        confidence=c.confidence and not dflash, intermediate_size=c.intermediate_size)
+        head="none" if plain else c.head, rank=0 if plain or c.head == "none" else c.rank,
+        confidence=c.confidence and not plain, intermediate_size=c.intermediate_size)
 
 
 def make_source(cfg: TrainConfig, loaded, layer_ids):
@@ -71,7 +96,8 @@ class Trainer:
         arch = make_arch(cfg, self.target)
         self.source = source if source is not None else make_source(cfg, loaded, arch.layer_ids)
         torch.manual_seed(cfg.run.seed)  # the same initial weights in every process
-        self.model = DSparkModel(arch, self.target)
+        self.recipe = RECIPES[cfg.drafter.type]
+        self.model = self.recipe.model(arch, self.target)
         if cfg.drafter.init_from_target:
             self.model.init_from_target(self.target)
         self.model.set_head_dtype(getattr(torch, cfg.optim.head_dtype))
@@ -122,12 +148,13 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, block = self.cfg, self.model.arch.block_size
         epoch, micro = self.my_micro_batches(self.step)
-        plans = [plan_batch(self.source, m, epoch, cfg.run.seed, cfg.data.anchors_per_seq, block) for m in micro]
-        weights = slot_weights(block, cfg.loss.decay)
+        recipe = self.recipe
+        plans = [recipe.plan(self.source, m, epoch, cfg.run.seed, cfg.data.anchors_per_seq, block) for m in micro]
+        weights = recipe.weights(block, cfg.loss)
         # fp64 sums of fp32 weights are exact, so the denominator is bitwise the same however it is split.
         den = sum(float((p.slot_valid.double() * weights.double()).sum()) for ps in plans for p in ps)
         den_total = float(self._all_reduce(torch.tensor([den], dtype=torch.float64))[0])
-        alpha = (cfg.loss.ce, cfg.loss.tv, cfg.loss.conf)
+        alpha = recipe.alpha(cfg.loss)
         sums = torch.zeros(5 + 2 * block + 2, dtype=torch.float64)
         # Per-micro-batch gradients are summed in their own buffer, so the sum associates the same way as the
         # all-reduce over processes (bitwise-equal results when each process holds one micro-batch).
@@ -135,8 +162,8 @@ class Trainer:
         for ps in plans:
             if not ps:
                 continue
-            batch = load_batch(self.source, ps, block, self.model.arch.mask_token_id).to(self.device)
-            s = backward(self.model, batch, den_total, alpha, cfg.loss.decay, cfg.optim.loss_chunk_blocks)
+            batch = recipe.load(self.source, ps, block, self.model.arch.mask_token_id).to(self.device)
+            s = recipe.backward(self.model, batch, den_total, alpha, cfg.loss.decay, cfg.optim.loss_chunk_blocks)
             sums += torch.cat([torch.tensor([s["ce"], s["tv"], s["conf"], s["den"], s["top1"]], dtype=torch.float64),
                                s["accept"].double(), s["count"].double(),
                                torch.tensor([batch.features.shape[0], int(batch.block_valid.sum())],
