@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The recipe of the shipped SmolLM2 drafters, sized for one GPU in about ten minutes (DESIGN.md §3):
 #   1. regenerate answers to the training prompts with the target (transformers backend, padded batches),
-#   2. train DSpark (the shipped drafter) and the DFlash baseline side by side on the same data and budget,
+#   2. train DSpark (the shipped drafter) and the DFlash and Eagle3 baselines side by side, same data and budget,
 #   3. export both (bf16) and pack the results into $RESULTS.
 # Every stage is time-boxed and resumable, so a cut-off run still returns what it finished.
 #
@@ -44,9 +44,9 @@ for p in $PROMPTS; do
 done
 cat "$WORK"/data-*/data.jsonl > "$WORK/train.jsonl"
 
-train() {  # name, extra --set arguments...
-  local name=$1; shift
-  $PY -m dspark.training train --config configs/smollm2-dspark.toml --no-progress \
+train() {  # name, config, extra --set arguments...
+  local name=$1 config=$2; shift 2
+  $PY -m dspark.training train --config "$config" --no-progress \
     --set target.name="$GGUF" --set target.device="$DEVICE" --set data.dataset="$WORK/train.jsonl" \
     --set run.out_dir="$WORK/$name" --set run.max_time_s="$TRAIN_S" --set run.threads="$THREADS" \
     --set optim.max_steps="$STEPS" --set optim.batch_seqs="$BATCH_SEQS" --set optim.loss_chunk_blocks=256 \
@@ -55,15 +55,16 @@ train() {  # name, extra --set arguments...
   log "train $name exit $?"
 }
 log "train"
-train dspark --set drafter.num_layers=2 &
-train dflash --set drafter.type=dflash --set drafter.num_layers=2 &
+train dspark configs/smollm2-dspark.toml --set drafter.num_layers=2 &
+train dflash configs/smollm2-dspark.toml --set drafter.type=dflash --set drafter.num_layers=2 &
+train eagle3 configs/smollm2-eagle3.toml &
 wait
 
 log "pack"
-for name in dspark dflash; do tail -n 3 "$WORK/$name.log"; done
+for name in dspark dflash eagle3; do tail -n 3 "$WORK/$name.log"; done
 xz -T0 -6 -c "$WORK/train.jsonl" > "$WORK/data.jsonl.xz"
 # One bundle, in pieces of at most 15 MB (what may travel back from a lent machine).
-(cd "$WORK" && tar -cf - dspark/drafter dflash/drafter dspark/train_log.csv dflash/train_log.csv dspark.log \
-  dflash.log data-*/meta.json data.jsonl.xz) | split -b 15M - "$RESULTS/bundle.part-"
+(cd "$WORK" && tar -cf - {dspark,dflash,eagle3}/drafter {dspark,dflash,eagle3}/train_log.csv {dspark,dflash,eagle3}.log \
+  data-*/meta.json data.jsonl.xz) | split -b 15M - "$RESULTS/bundle.part-"
 ls -la "$RESULTS"
 log "done"

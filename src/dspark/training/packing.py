@@ -42,7 +42,7 @@ class Batch:
     target_hidden: torch.Tensor  # [G, A, γ, d] target final hidden at anchor + j (predicts y_j)
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return type(self)(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def anchor_candidates(mask: torch.Tensor) -> torch.Tensor:
