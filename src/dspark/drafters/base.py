@@ -59,6 +59,13 @@ class Drafter(ABC):
         to the target cache, in position order (prompt chunks, then each round's anchor + accepted drafts).
         Model-free drafters ignore them."""
 
+    def require_layers(self, hidden: dict) -> None:
+        """observe() needs the states of every layer this drafter reads: say which are missing and how to ask."""
+        missing = [i for i in self.needs_layers if i not in hidden]
+        if missing:
+            raise DrafterError(f"observe() got no hidden states for target layers {missing}; run the target "
+                               f"forward with hidden_layers={self.needs_layers}")
+
     def observe_batch(self, requests: list[DraftRequest], hidden: dict[int, torch.Tensor], offsets: list[int],
                       counts: list[int]) -> None:
         """Flattened-batch form: request r owns rows offsets[r] .. offsets[r] + counts[r] - 1."""

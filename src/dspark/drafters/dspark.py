@@ -67,10 +67,7 @@ class DSparkDrafter(Drafter):
         """hidden[layer]: [N, d] for a flattened batch; request r owns rows offsets[r] .. offsets[r]+counts[r]−1."""
         if not requests:
             return
-        missing = [i for i in self.needs_layers if i not in hidden]
-        if missing:
-            raise DrafterError(f"observe() got no hidden states for target layers {missing}; run the target "
-                               f"forward with hidden_layers={self.needs_layers}")
+        self.require_layers(hidden)
         ctxs = [self.context(r) for r in requests]
         firsts = [c.length if starts is None else int(s) for c, s in zip(ctxs, starts or [None] * len(ctxs))]
         for c, first in zip(ctxs, firsts):

@@ -69,10 +69,7 @@ class Eagle3Drafter(Drafter):
         """hidden[layer]: [N, d]; request r owns rows offsets[r] .. offsets[r] + counts[r] − 1."""
         if not requests:
             return
-        missing = [i for i in self.needs_layers if i not in hidden]
-        if missing:
-            raise DrafterError(f"observe() got no hidden states for target layers {missing}; run the target "
-                               f"forward with hidden_layers={self.needs_layers}")
+        self.require_layers(hidden)
         states = [self._state(r) for r in requests]
         firsts = []
         for (feats, ctx), start in zip(states, starts or [None] * len(states)):

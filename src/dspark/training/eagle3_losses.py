@@ -20,7 +20,7 @@ import torch
 
 from ..drafters.eagle3_model import Eagle3Model
 from . import packing
-from .losses import STAT_KEYS, valid_blocks
+from .losses import chunked_backward, valid_blocks
 from .packing import Batch, BlockPlan
 
 STEP_DECAY = 0.8
@@ -107,18 +107,6 @@ def backward(model: Eagle3Model, batch: Eagle3Batch, den_total: float, alpha=Non
     is backpropagated once from h's gradient."""
     h, _, labels, valid, th = valid_blocks(batch, forward_hidden(model, batch))
     weights = step_weights(h.shape[1], h.device)
-    hd = h.detach().requires_grad_(True)
-    stats = {k: 0.0 for k in STAT_KEYS}
-    stats["accept"] = torch.zeros(h.shape[1])
-    stats["count"] = torch.zeros(h.shape[1])
-    for s in range(0, h.shape[0], chunk_blocks):
-        part = slice(s, s + chunk_blocks)
-        terms = block_terms(model, hd[part], labels[part], valid[part], th[part], weights)
-        (terms["ce"] / max(den_total, 1e-12)).backward()
-        for key in STAT_KEYS:
-            stats[key] += terms[key].item() if torch.is_tensor(terms[key]) else terms[key]
-        stats["accept"] += terms["accept"]
-        stats["count"] += terms["count"]
-    if hd.grad is not None:
-        h.backward(hd.grad)
-    return stats
+    return chunked_backward(h, chunk_blocks,
+                            lambda hp, part: block_terms(model, hp, labels[part], valid[part], th[part], weights),
+                            lambda terms: terms["ce"] / max(den_total, 1e-12))

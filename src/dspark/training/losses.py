@@ -86,14 +86,24 @@ def backward(model: DSparkModel, batch: Batch, den_total: float, alpha, decay: f
     one chunk's [rows × V] tensors are alive; the backbone is then backpropagated once from h's gradient."""
     h, prev, labels, valid, th = valid_blocks(batch, forward_hidden(model, batch))
     weights = slot_weights(h.shape[1], decay, h.device)
+    return chunked_backward(
+        h, chunk_blocks, lambda hp, part: block_terms(model, hp, prev[part], labels[part], valid[part], th[part], weights),
+        lambda terms: combine(terms, den_total, alpha))
+
+
+def chunked_backward(h: torch.Tensor, chunk_blocks: int, chunk_terms, chunk_loss) -> dict:
+    """Backpropagate a loss over blocks h [B, γ, d] whose LM-head part runs chunk by chunk: each chunk's loss is
+    backpropagated at once into a detached copy of h (only one chunk's [rows × V] tensors alive), then the
+    model below h once from the accumulated gradient. chunk_terms(h_part, part) -> terms (STAT_KEYS, accept,
+    count); chunk_loss(terms) -> scalar. Returns the summed detached statistics."""
     hd = h.detach().requires_grad_(True)
     stats = {k: 0.0 for k in STAT_KEYS}
     stats["accept"] = torch.zeros(h.shape[1])
     stats["count"] = torch.zeros(h.shape[1])
     for s in range(0, h.shape[0], chunk_blocks):
         part = slice(s, s + chunk_blocks)
-        terms = block_terms(model, hd[part], prev[part], labels[part], valid[part], th[part], weights)
-        combine(terms, den_total, alpha).backward()
+        terms = chunk_terms(hd[part], part)
+        chunk_loss(terms).backward()
         for k in STAT_KEYS:
             stats[k] += terms[k].item() if torch.is_tensor(terms[k]) else terms[k]
         stats["accept"] += terms["accept"]
