@@ -21,7 +21,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/dspark generate --prompt "$(PROMPT)" --drafter ngram --max-new-tokens 128
+	$(BIN)/dspark generate --prompt "$(PROMPT)" --max-new-tokens 128
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

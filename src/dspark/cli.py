@@ -33,7 +33,8 @@ def add_generate(sub) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="file whose whole content is the prompt")
     _add_model_args(p)
-    p.add_argument("--drafter", default="ngram", help="none, ngram, or the path of a trained drafter")
+    p.add_argument("--drafter", default="auto", help="auto (the shipped DSpark drafter for this model, else n-gram), "
+                   "dspark, ngram, none, or the path of a trained drafter")
     p.add_argument("--gamma", type=int, default=7, help="draft block size (tokens proposed per round)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the tokenizer's chat template (default: on)")

@@ -47,7 +47,7 @@ class TextStream:
 
 
 class TextGenerator:
-    def __init__(self, model: str, drafter: str | None = "ngram", gamma: int = 7, dtype: str = "float32"):
+    def __init__(self, model: str, drafter: str | None = "auto", gamma: int = 7, dtype: str = "float32"):
         self.loaded = load_model(model, dtype=dtype)
         self.drafter = make_drafter(drafter, target=self.loaded.model, gamma=gamma)
         layers = self.drafter.needs_layers if self.drafter is not None else ()

@@ -45,7 +45,7 @@ def completion_of(req: Request) -> Completion:
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, drafter: str | None = "ngram", policy: str = "auto",
+    def __init__(self, model: str = DEFAULT_MODEL, drafter: str | None = "auto", policy: str = "auto",
                  gamma: int = 7, dtype: str = "float32", **engine_options):
         self.loaded = load_model(model, dtype=dtype)
         self.tokenizer = self.loaded.tokenizer

@@ -45,11 +45,18 @@ class TransformerTarget:
     def new_state(self):
         return self.model.new_cache()
 
-    def forward(self, state, start: int, tokens: list[int]) -> torch.Tensor:
+    def forward(self, state, start: int, tokens: list[int], last_only: bool = False) -> torch.Tensor:
+        """-> logits [len(tokens), V], or [1, V] of the last token when last_only (a prompt: the LM head over
+        every prompt row would cost as much as a decoding step)."""
         ids = torch.tensor(tokens, dtype=torch.long)
-        out = self.model.forward(ids, [Segment(state, start, len(tokens))], hidden_layers=self.hidden_layers)
+        rows = torch.tensor([len(tokens) - 1]) if last_only else None
+        out = self.model.forward(ids, [Segment(state, start, len(tokens))], logit_rows=rows,
+                                 hidden_layers=self.hidden_layers)
         self.last_hidden = out.hidden
         return out.logits
+
+    def prefill(self, state, tokens: list[int]) -> torch.Tensor:
+        return self.forward(state, 0, tokens, last_only=True)
 
     def truncate(self, state, length: int) -> None:
         state.truncate(length)
@@ -106,7 +113,8 @@ class Generation:
         state = self.target.new_state()
         request = DraftRequest(tokens=list(self.prompt), params=self.params, generator=self.generator)
         try:
-            logits = self.target.forward(state, 0, self.prompt)[-1:]  # [1, V]
+            prefill = getattr(self.target, "prefill", None)
+            logits = prefill(state, self.prompt) if prefill else self.target.forward(state, 0, self.prompt)[-1:]
             self._observe(request, len(self.prompt))
             anchor = self._first_token(logits)
             self.stats.ttft_s = time.perf_counter() - t0

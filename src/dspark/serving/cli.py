@@ -15,7 +15,8 @@ def add_serve(sub) -> None:
                                    "with speculative decoding. Stops gracefully on SIGTERM.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf file, hub id, or an embedded name")
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
-    p.add_argument("--drafter", default="ngram", help="none, ngram, or the path of a trained drafter")
+    p.add_argument("--drafter", default="auto", help="auto (the shipped DSpark drafter for this model, else n-gram), "
+                   "dspark, ngram, none, or the path of a trained drafter")
     p.add_argument("--policy", default="auto", help="verification policy: auto, fixed-<k>, sync, async, threshold")
     p.add_argument("--gamma", type=int, default=7, help="draft block size")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
