@@ -82,3 +82,22 @@ def test_calibrate_refuses_a_drafter_without_confidence_head(tiny, tmp_path):
     with pytest.raises(ValueError, match="no confidence head"):
         calibrate(CalibrateConfig(drafter=str(paths["dflash"]), prompts=str(prompts), model=str(root / "target"),
                                   limit=4, out=tmp_path))
+
+
+def test_engine_splits_step_time_into_forwards_and_overhead(tiny):
+    from dspark.decoding import SamplingParams
+    from dspark.engine.engine import Engine, EngineConfig
+    from dspark.scheduling.registry import make_policy
+
+    root, loaded, paths, prompts = tiny
+    drafter = make_drafter(str(paths["dspark"]), target=loaded.model)
+    engine = Engine(loaded.model, loaded.tokenizer, drafter, make_policy("fixed-4"), loaded.eos_ids,
+                    EngineConfig(gamma=4, max_running=4))
+    reqs = [engine.add_request(prompt_ids(loaded.tokenizer, f"count to {i}", True),
+                               SamplingParams(max_new_tokens=12)) for i in range(4)]
+    while any(not r.finished for r in reqs):
+        engine.step()
+    s = engine.stats
+    assert s.forward_seconds_total > 0 and s.drafter_seconds_total > 0
+    assert s.forward_seconds_total + s.drafter_seconds_total <= s.step_seconds_total
+    assert 0.0 <= s.overhead_fraction < 1.0

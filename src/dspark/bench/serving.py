@@ -41,6 +41,8 @@ def run_cell(engine: Engine, prompts: list[list[int]], concurrency: int, params:
     live = [engine.add_request(next(feed), params) for _ in range(concurrency)]
     done, t_start, steps0 = [], time.perf_counter(), engine.stats.steps
     budget0, decode0 = engine.stats.verify_budget_total, engine.stats.decode_requests_total
+    s = engine.stats
+    time0 = (s.step_seconds_total, s.forward_seconds_total, s.drafter_seconds_total)
     while time.perf_counter() - t_start < seconds:
         engine.step()
         for i, req in enumerate(live):
@@ -53,12 +55,17 @@ def run_cell(engine: Engine, prompts: list[list[int]], concurrency: int, params:
         engine.abort(req.request_id)
     engine.step()  # reap the aborted requests: the next cell starts from an empty engine
     decode_steps = engine.stats.decode_requests_total - decode0
+    step_s, forward_s, drafter_s = (now - before for now, before in zip(
+        (s.step_seconds_total, s.forward_seconds_total, s.drafter_seconds_total), time0))
     per_user = [len(r.output) / (r.finished_at - r.arrival) for r in done if r.finished_at > r.arrival]
     return {"concurrency": concurrency, "finished_requests": len(done), "seconds": elapsed,
             "throughput_tok_s": produced / elapsed, "per_user_tok_s": median(per_user),
             "mean_verify_budget": (engine.stats.verify_budget_total - budget0) / decode_steps if decode_steps else 0,
             "tau": (sum(r.accepted + r.rounds for r in done) / max(1, sum(r.rounds for r in done))),
-            "steps": engine.stats.steps - steps0}
+            "steps": engine.stats.steps - steps0,
+            # share of step time outside the target and drafter forwards: the engine's own overhead
+            "overhead_fraction": max(0.0, 1 - (forward_s + drafter_s) / step_s) if step_s else 0.0,
+            "drafter_fraction": drafter_s / step_s if step_s else 0.0}
 
 
 def run(cfg: ServeBenchConfig) -> dict:
@@ -82,9 +89,12 @@ def run(cfg: ServeBenchConfig) -> dict:
             "machine": machine_info(), "cells": cells}
     md = (f"# Serving benchmark ({cfg.model}, drafter {cfg.drafter}, T={cfg.temperature:g}, "
           f"{cfg.max_new_tokens} new tokens, {cfg.seconds_per_cell:g} s per cell)\n\n"
-          + markdown_table(["policy", "C", "tok/s", "per-user tok/s", "verify budget", "tau", "finished"],
+          + markdown_table(["policy", "C", "tok/s", "per-user tok/s", "verify budget", "tau", "finished",
+                            "drafter % of step", "engine overhead % of step"],
                            [[c["policy"], c["concurrency"], c["throughput_tok_s"], c["per_user_tok_s"],
-                             c["mean_verify_budget"], c["tau"], c["finished_requests"]] for c in cells]) + "\n")
+                             c["mean_verify_budget"], c["tau"], c["finished_requests"],
+                             f"{100 * c['drafter_fraction']:.1f}", f"{100 * c['overhead_fraction']:.1f}"]
+                            for c in cells]) + "\n")
     write_results(cfg.out, "serving", data, md)
     plot(cells, cfg.out)
     print(md)

@@ -111,6 +111,7 @@ class Engine:
             return outputs
         plan = plan_step(self.running, self.drafter, self.policy, self.config, self.model.config.max_position)
         self.last_plan = plan
+        t_forward = time.perf_counter()
         try:
             out = self.model.forward(plan.tokens, plan.segments, logit_rows=plan.logit_rows,
                                      hidden_layers=self.drafter.needs_layers if self.drafter else ())
@@ -118,13 +119,16 @@ class Engine:
             for req in plan.decoding + plan.prefilling:
                 self._fail(req, exc, outputs)
             return outputs
+        forward_s = time.perf_counter() - t_forward
         self._observed: list[tuple[Request, int, int]] = []
         outputs += self._commit_decoding(plan, out)
         outputs += self._commit_prefill(plan, out)
+        t_observe = time.perf_counter()
         self._feed_drafter(out)
+        drafter_s = plan.propose_seconds + time.perf_counter() - t_observe
         self.running = [r for r in self.running if not r.finished]
         verified = int(plan.lengths.sum()) if plan.decoding else 0
-        self.stats.record_step(time.perf_counter() - t0, len(plan.decoding), verified)
+        self.stats.record_step(time.perf_counter() - t0, len(plan.decoding), verified, forward_s, drafter_s)
         return outputs
 
     def _reap_aborted(self) -> list[RequestOutput]:

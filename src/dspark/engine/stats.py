@@ -10,6 +10,8 @@ class EngineStats:
     steps: int = 0
     step_seconds_total: float = 0.0
     last_step_seconds: float = 0.0
+    forward_seconds_total: float = 0.0  # the target forward
+    drafter_seconds_total: float = 0.0  # the drafter's propose and observe (its model forwards)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_drafts: int = 0  # verification rounds that carried at least one draft
@@ -36,15 +38,26 @@ class EngineStats:
             self.accepted_per_position[k] += k < accepted
         self.accepted_length_counts[min(accepted + 1, self.gamma + 1)] += 1
 
-    def record_step(self, seconds: float, decoding: int, verified: int) -> None:
+    def record_step(self, seconds: float, decoding: int, verified: int, forward_s: float = 0.0,
+                    drafter_s: float = 0.0) -> None:
         self.steps += 1
         self.step_seconds_total += seconds
+        self.forward_seconds_total += forward_s
+        self.drafter_seconds_total += drafter_s
         self.last_step_seconds = seconds
         self.decode_requests_total += decoding
         self.verify_budget_total += verified
 
     def record_finish(self, reason: str) -> None:
         self.finished[reason] = self.finished.get(reason, 0) + 1
+
+    @property
+    def overhead_fraction(self) -> float:
+        """Share of step time spent outside model forwards (scheduling, verification, bookkeeping, streaming)."""
+        if not self.step_seconds_total:
+            return 0.0
+        models = self.forward_seconds_total + self.drafter_seconds_total
+        return max(0.0, 1.0 - models / self.step_seconds_total)
 
     @property
     def mean_verify_budget(self) -> float:

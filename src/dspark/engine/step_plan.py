@@ -1,6 +1,7 @@
 """Plan one engine step: draft, choose verification lengths, and lay every request's tokens end to end."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +22,7 @@ class StepPlan:
     draft_probs: torch.Tensor | None = None  # [R, γ, V] or None (point masses)
     confidences: np.ndarray | None = None  # [R, γ]
     confidence_logits: np.ndarray | None = None  # [R, γ] raw head logits, before calibration (for `calibrate`)
+    propose_seconds: float = 0.0
     decode_logit_rows: list[slice] = field(default_factory=list)  # per decoding request, into the M logits
     decode_token_rows: list[list[int]] = field(default_factory=list)  # per decoding request, into N
     prefilling: list[Request] = field(default_factory=list)
@@ -36,11 +38,13 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
     R = len(decoding)
     drafts, lengths = torch.zeros(R, gamma, dtype=torch.long), torch.zeros(R, dtype=torch.long)
     if R == 0:  # nothing to draft for; stateful policies must not record an empty step
-        return drafts, lengths, None, None, None
+        return drafts, lengths, None, None, None, 0.0
     if drafter is None or not policy.prepare(R):
         policy.select(None, n_requests=R, gamma=gamma)  # keeps stateful policies in step
-        return drafts, lengths, None, None, None
+        return drafts, lengths, None, None, None, 0.0
+    t0 = time.perf_counter()
     proposal = drafter.propose([r.draft for r in decoding])
+    seconds = time.perf_counter() - t0
     conf = None if proposal.confidences is None else proposal.confidences.double().numpy()
     chosen = torch.as_tensor(np.asarray(policy.select(conf, n_requests=R, gamma=gamma)), dtype=torch.long)
     room = torch.tensor([min(r.params.max_new_tokens - len(r.output), max_position - r.num_tokens) - 1
@@ -48,16 +52,17 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
     lengths = torch.minimum(torch.minimum(chosen, proposal.num_tokens), room.clamp(min=0))
     raw = getattr(proposal, "confidence_logits", None)
     raw = None if raw is None else raw[:, :gamma].double().numpy()
-    return proposal.tokens[:, :gamma], lengths, proposal.probs, conf, raw
+    return proposal.tokens[:, :gamma], lengths, proposal.probs, conf, raw, seconds
 
 
 def plan_step(running: list[Request], drafter, policy, config, max_position: int) -> StepPlan:
     decoding = [r for r in running if r.status is Status.DECODE]
     prefilling = [r for r in running if r.status is Status.PREFILL]
-    drafts, lengths, probs, conf, raw = _draft(decoding, drafter, policy, config.gamma, max_position)
+    drafts, lengths, probs, conf, raw, seconds = _draft(decoding, drafter, policy, config.gamma, max_position)
     pieces, segments, logit_rows = [], [], []
     plan = StepPlan(tokens=torch.empty(0), segments=segments, logit_rows=torch.empty(0), decoding=decoding,
-                    drafts=drafts, lengths=lengths, draft_probs=probs, confidences=conf, confidence_logits=raw)
+                    drafts=drafts, lengths=lengths, draft_probs=probs, confidences=conf, confidence_logits=raw,
+                    propose_seconds=seconds)
     n = 0
     for i, req in enumerate(decoding):
         block = [req.output[-1], *drafts[i, : int(lengths[i])].tolist()]  # anchor, then ℓ drafts
