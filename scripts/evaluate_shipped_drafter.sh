@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# After `dspark train --config configs/smollm2-dspark.toml`: install the trained drafter as the shipped one,
+# calibrate it on held-out prompts, and measure acceptance and speed (results/ and README tables come from here).
+set -euo pipefail
+RUN=${RUN:-runs/smollm2-dspark}
+SHIP=src/dspark/drafters/shipped/smollm2-135m-instruct
+DSPARK=${DSPARK:-.venv/bin/dspark}
+mkdir -p "$(dirname "$SHIP")"
+rm -rf "$SHIP.tmp" && cp -r "$RUN/drafter" "$SHIP.tmp" && rm -rf "$SHIP" && mv "$SHIP.tmp" "$SHIP"
+# Held out: data/mix.jsonl lines after 6000 were never regenerated or trained on.
+$DSPARK calibrate --drafter "$SHIP" --prompts data/mix.jsonl --skip 6000 --limit ${CAL_PROMPTS:-96} \
+  --max-new-tokens 128 --batch 16 --out results/calibration
+$DSPARK bench acceptance --drafters dspark,ngram --limit ${PER_SET:-8} --max-new-tokens 128 --batch 16 \
+  --speed-prompts ${SPEED_PROMPTS:-1} --head-latency --out results/acceptance
