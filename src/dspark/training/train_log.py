@@ -45,3 +45,37 @@ def progress_bar(total: int, initial: int, enabled: bool, desc: str = "train"):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, unit="step", desc=desc, disable=not enabled, dynamic_ncols=True)
+
+
+def plot_log(csv_path: str | Path, png_path: str | Path, window: int = 20) -> Path:
+    """Loss, estimated τ and slot-1 acceptance against step (moving averages over `window` logged rows)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise ValueError(f"{csv_path} has no logged steps")
+    steps = [int(r["step"]) for r in rows]
+
+    def smooth(key: str) -> list[float]:
+        vals = [float(r[key]) for r in rows]
+        return [sum(vals[max(0, i - window + 1): i + 1]) / len(vals[max(0, i - window + 1): i + 1])
+                for i in range(len(vals))]
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for ax, keys, title in ((axes[0], ("loss", "tv"), "loss"), (axes[1], ("tau_est",), "estimated τ (full block)"),
+                            (axes[2], ("acc1", "acc2", "acc7"), "estimated acceptance per slot")):
+        for key in keys:
+            if key in rows[0]:
+                ax.plot(steps, smooth(key), label=key)
+        ax.set(title=title, xlabel="step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path
