@@ -101,3 +101,15 @@ def test_engine_splits_step_time_into_forwards_and_overhead(tiny):
     assert s.forward_seconds_total > 0 and s.drafter_seconds_total > 0
     assert s.forward_seconds_total + s.drafter_seconds_total <= s.step_seconds_total
     assert 0.0 <= s.overhead_fraction < 1.0
+
+
+def test_head_latency_restores_the_heads(tiny):
+    from dspark.bench.acceptance import head_latency
+
+    root, loaded, paths, prompts = tiny
+    drafter = make_drafter(str(paths["dspark"]), target=loaded.model)
+    head = drafter.model.head
+    lat = head_latency(loaded, drafter, prompt_ids(loaded.tokenizer, "count to 3", True), repeats=3)
+    assert drafter.model.head is head and lat["propose_ms"] > 0 and lat["verify_forward_ms"] > 0
+    assert lat["lm_head_ms"] > 0 and lat["round_ms"] == lat["propose_ms"] + lat["verify_forward_ms"]
+    assert head_latency(loaded, make_drafter(str(paths["dflash"]), target=loaded.model), [3, 4, 5]) is None

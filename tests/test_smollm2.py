@@ -18,8 +18,8 @@ class RecordingTarget(TransformerTarget):
         super().__init__(model)
         self.rows = []
 
-    def forward(self, state, start, tokens):
-        logits = super().forward(state, start, tokens)
+    def forward(self, state, start, tokens, last_only=False):
+        logits = super().forward(state, start, tokens, last_only)
         self.rows.append(logits[-1].clone())
         return logits
 
@@ -45,19 +45,22 @@ def test_logits_match_transformers_reading_the_gguf_itself(smollm2):
     assert torch.equal(ours[-1].argmax(), ref[-1].argmax())
 
 
-def test_greedy_ngram_speculation_equals_plain_decoding(smollm2, bench_data):
-    """20 real prompts: token-identical, or the first divergence is a float near-tie (top-2 gap < 1e-4)."""
+@pytest.mark.parametrize("drafter_name,per_set", [("ngram", 5), ("dspark", 2)])
+def test_greedy_speculation_equals_plain_decoding(smollm2, bench_data, drafter_name, per_set):
+    """Real prompts (20 for n-gram, 8 for the shipped DSpark drafter): token-identical, or the first divergence
+    is a float near-tie (top-2 gap < 1e-4)."""
     model, eos = smollm2.model, smollm2.eos_ids
-    drafter = make_drafter("ngram", gamma=7)
+    drafter = make_drafter(drafter_name, target=model, gamma=7)
+    layers = drafter.needs_layers
     greedy = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
-    prompts = bench_prompts(5)
-    assert len(prompts) >= 20
+    prompts = bench_prompts(per_set)
+    assert len(prompts) >= 4 * per_set
     identical, accepted = 0, 0
     for text in prompts:
         ids = chat_ids(smollm2.tokenizer, text)
         recorder = RecordingTarget(model)
         plain = run(recorder, None, ids, greedy, eos)
-        gen = Generation(TransformerTarget(model), drafter, ids, greedy, eos)
+        gen = Generation(TransformerTarget(model, hidden_layers=layers), drafter, ids, greedy, eos)
         spec = [t for chunk in gen for t in chunk]
         accepted += gen.stats.accepted
         if spec == plain:
@@ -72,6 +75,21 @@ def test_greedy_ngram_speculation_equals_plain_decoding(smollm2, bench_data):
     print(f"{identical}/{len(prompts)} identical; {accepted} drafts accepted")
     assert accepted > 0  # the comparison must actually exercise multi-token verification
     assert identical >= len(prompts) - 2
+
+
+def test_shipped_drafter_is_found_by_the_targets_fingerprint(smollm2):
+    from dspark.drafters import DrafterError
+    from dspark.drafters.ngram import NGramDrafter
+    from dspark.drafters.shipped import auto_allowed, shipped_for
+
+    drafter = make_drafter("dspark", target=smollm2.model)
+    assert drafter.has_confidence and drafter.calibration is not None and drafter.gamma == 7
+    path = shipped_for(smollm2.model)
+    auto = make_drafter("auto", target=smollm2.model)
+    assert isinstance(auto, NGramDrafter) != auto_allowed(path)  # defaults.json decides, from measurements
+    from helpers import hf_model, ours_from_hf
+    with pytest.raises(DrafterError, match="no shipped DSpark drafter matches this target"):
+        make_drafter("dspark", target=ours_from_hf(hf_model("llama")))
 
 
 @pytest.mark.parametrize("drafter_name", ["none", "ngram"])

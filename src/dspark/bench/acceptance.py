@@ -34,6 +34,7 @@ class AcceptanceConfig:
     max_new_tokens: int = 256
     batch: int = 16  # concurrent requests in the engine (τ does not depend on it: see tests)
     speed_prompts: int = 0  # per set, batch 1, against plain decoding; 0 = skip
+    head_latency: bool = False  # time the sequential head at batch 1
     seed: int = 0
     out: Path = field(default=Path("results/acceptance"))
 
@@ -107,6 +108,51 @@ def speed_vs_plain(loaded, drafter, prompts, temperature: float, cfg: Acceptance
     return {"prompts": len(prompts), "plain_tok_s": plain, "spec_tok_s": spec, "speedup": spec / plain}
 
 
+def head_latency(loaded, drafter, ids: list[int], repeats: int = 20) -> dict | None:
+    """Batch-1 cost of the sequential (and confidence) head: propose() with the heads against the same drafter
+    with them switched off (DFlash's compute), next to the target's verification forward of γ + 1 tokens."""
+    import torch
+
+    from ..drafters.base import DraftRequest
+    from ..models import Segment
+
+    model = getattr(drafter, "model", None)
+    if model is None or getattr(model, "head", None) is None:
+        return None
+    cache = loaded.model.new_cache()
+    out = loaded.model.forward(torch.tensor(ids), [Segment(cache, 0, len(ids))], logit_rows=torch.tensor([len(ids) - 1]),
+                               hidden_layers=drafter.needs_layers)
+    request = DraftRequest(tokens=list(ids) + [int(out.logits.argmax())], params=SamplingParams(temperature=1.0),
+                           generator=torch.Generator().manual_seed(0))
+    drafter.observe(request, out.hidden, len(ids))
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return median(times) * 1000
+
+    with_head = timed(lambda: drafter.propose([request]))
+    head, conf = model.head, model.confidence
+    model.head = model.confidence = None
+    try:
+        without = timed(lambda: drafter.propose([request]))
+    finally:
+        model.head, model.confidence = head, conf
+    block = [request.tokens[-1]] * (drafter.gamma + 1)
+    verify = timed(lambda: (cache.truncate(len(ids)), loaded.model.forward(
+        torch.tensor(block), [Segment(cache, len(ids), len(block))], hidden_layers=drafter.needs_layers)))
+    rows = torch.randn(drafter.gamma, loaded.model.config.hidden_size, dtype=loaded.model.dtype)
+    lm_head = timed(lambda: loaded.model.lm_logits(rows))
+    round_ms = with_head + verify
+    return {"propose_ms": with_head, "propose_without_heads_ms": without, "verify_forward_ms": verify,
+            "head_ms": with_head - without, "head_share_of_round": (with_head - without) / round_ms,
+            "lm_head_ms": lm_head, "backbone_and_sampling_ms": without - lm_head, "round_ms": round_ms}
+
+
 def _tables(cfg: AcceptanceConfig, rows: list[dict]) -> str:
     sets = [s for s in cfg.sets]
     md = []
@@ -121,6 +167,14 @@ def _tables(cfg: AcceptanceConfig, rows: list[dict]) -> str:
         md += ["\nConditional acceptance P(slot k | slots < k), full-length rounds:\n", markdown_table(
             ["drafter", *[f"k={k}" for k in range(1, cfg.gamma + 1)]],
             [[r["drafter"], *["-" if c is None else c for c in r["conditional_acceptance"]]] for r in these])]
+        lat = [r for r in these if r.get("head_latency")]
+        if lat:
+            md += ["\nSequential head latency at batch 1 (median ms):\n", markdown_table(
+                ["drafter", "propose", "of which LM head", "backbone + sampling", "Markov + confidence heads",
+                 "verify forward (γ+1)", "head % of round"],
+                [[r["drafter"], *(r["head_latency"][k] for k in ("propose_ms", "lm_head_ms", "backbone_and_sampling_ms",
+                                                                  "head_ms", "verify_forward_ms")),
+                  f"{100 * r['head_latency']['head_share_of_round']:.1f}"] for r in lat])]
         speed = [r for r in these if "speed" in r]
         if speed:
             md += ["\nBatch-1 speed against plain decoding (median tok/s):\n", markdown_table(
@@ -165,6 +219,8 @@ def run(cfg: AcceptanceConfig) -> dict:
             row = summarise(spec, t, prompts, reqs, seconds, cfg.gamma)
             if speed_set:
                 row["speed"] = speed_vs_plain(loaded, drafter, speed_set, t, cfg)
+            if cfg.head_latency and t == cfg.temperatures[0]:
+                row["head_latency"] = head_latency(loaded, drafter, prompts[0][1])
             rows.append(row)
             print(f"{spec} T={t}: macro τ {row['macro_tau']:.3f} ({row['rounds']} rounds, {seconds:.0f} s)",
                   flush=True)

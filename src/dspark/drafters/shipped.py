@@ -5,7 +5,9 @@ A checkpoint records its target's fingerprint (shapes and an embedding signature
 from the loaded target itself, whatever name or path it was loaded by.
 
     dspark   the shipped DSpark drafter for this target (an error listing what is shipped when there is none)
-    auto     the shipped drafter when there is one for this target, else n-gram prompt lookup
+    auto     the shipped drafter when there is one for this target and it is faster than n-gram lookup, else
+             n-gram prompt lookup. `shipped/defaults.json` records, per shipped drafter, whether `auto` may pick it
+             and the measurement behind that choice (a drafter slower than plain decoding is never a default).
 """
 from __future__ import annotations
 
@@ -16,6 +18,14 @@ from .base import DrafterError, register_drafter
 from .dspark_checkpoint import check_target
 
 SHIPPED_DIR = Path(__file__).parent / "shipped"
+DEFAULTS = SHIPPED_DIR / "defaults.json"
+
+
+def auto_allowed(path: Path) -> bool:
+    """Whether `auto` may pick this shipped drafter (defaults.json; absent entry = yes)."""
+    if not DEFAULTS.is_file():
+        return True
+    return bool(json.loads(DEFAULTS.read_text()).get(path.name, {}).get("auto", True))
 
 
 def shipped_dirs() -> list[Path]:
@@ -58,6 +68,6 @@ def auto_drafter(target=None, gamma: int | None = None, **options):
     from .ngram import NGramDrafter
 
     path = shipped_for(target)
-    if path is not None:
+    if path is not None and auto_allowed(path):
         return load_dspark(path, target, gamma, **options)
     return NGramDrafter(target=target, **({} if gamma is None else {"gamma": gamma}))
