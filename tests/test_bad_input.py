@@ -76,7 +76,7 @@ def test_generation_stops_at_the_context_end():
 
 
 def test_unknown_drafter_lists_valid_names(tmp_path):
-    with pytest.raises(DrafterError, match="none, ngram"):
+    with pytest.raises(DrafterError, match="valid names are none, auto, dspark, ngram"):
         make_drafter("eagle9")
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(DrafterError, match="drafter_type"):
