@@ -107,6 +107,7 @@ def add_bench(sub) -> None:
     a.add_argument("--max-new-tokens", type=int, default=256)
     a.add_argument("--batch", type=int, default=16, help="concurrent requests in the engine")
     a.add_argument("--speed-prompts", type=int, default=0, help="per set: batch-1 speed vs plain decoding")
+    a.add_argument("--head-latency", action="store_true", help="time the sequential head's share of a round")
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--out", type=Path, default=Path("results/acceptance"))
     a.set_defaults(func=run_bench_acceptance)
@@ -129,7 +130,8 @@ def run_bench_acceptance(args) -> int:
     run(AcceptanceConfig(model=args.model, drafters=tuple(args.drafters.split(",")), sets=tuple(args.sets.split(",")),
                          per_set=args.limit, temperatures=tuple(float(t) for t in args.temperatures.split(",")),
                          gamma=args.gamma, max_new_tokens=args.max_new_tokens, batch=args.batch,
-                         speed_prompts=args.speed_prompts, seed=args.seed, out=args.out))
+                         speed_prompts=args.speed_prompts, head_latency=args.head_latency, seed=args.seed,
+                         out=args.out))
     return 0
 
 
