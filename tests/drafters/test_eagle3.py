@@ -3,10 +3,8 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from dspark.decoding import SamplingParams, make_generator
 from dspark.drafters import make_drafter
@@ -17,7 +15,8 @@ from dspark.drafters.eagle3_model import Eagle3Model
 from dspark.models.transformer import Segment
 from dspark.training import eagle3_losses
 from dspark_testlib import speculative, tiny_target
-from test_dspark_exactness import FIRST, PROMPT, V, _engine_run, exact_first_tokens, plain_greedy
+from test_dspark_exactness import (FIRST, PROMPT, V, _engine_run, assert_first_tokens_match_target,
+                                   assert_seeded_engine_reproducible, plain_greedy)
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
 from tiny_target import make_target_dir, random_dataset  # noqa: E402
@@ -79,18 +78,9 @@ def test_engine_greedy_with_eagle3_equals_plain_greedy():
 
 
 def test_engine_seeded_sampling_with_eagle3():
-    from dspark.scheduling.registry import make_policy
-
     target = tiny_target(seed=4, scale=2.0)
     drafter = tiny_eagle3(target, steps=7)
-    prompts = [[3, 4, 5, 3], [5, 17, 33, 2, 9]]
-
-    def run(seed):
-        params = [SamplingParams(temperature=1.0, max_new_tokens=20, seed=seed + i, ignore_eos=True) for i in range(2)]
-        return [r.output for r in _engine_run(target, drafter, make_policy("fixed-4"), prompts, params)]
-
-    assert run(7) == run(7)
-    assert run(7) != run(8)
+    assert_seeded_engine_reproducible(target, drafter)
 
 
 def test_t1_output_distribution_matches_target():
@@ -99,19 +89,7 @@ def test_t1_output_distribution_matches_target():
     n, params, stats = 20_000, SamplingParams(temperature=1.0), {}
     outs = speculative(target, drafter, [PROMPT] * n, params, FIRST, seeds=list(range(n)), capacity=16, stats=stats)
     assert 0 < stats["accepted"] < 0.9 * stats["rounds"] * 3  # both acceptances and rejections
-    counts: dict[tuple, int] = {}
-    for o in outs:
-        counts[tuple(o)] = counts.get(tuple(o), 0) + 1
-    exact = exact_first_tokens(target)
-    keys = sorted(exact, key=lambda k: -exact[k])
-    expected = np.array([exact[k] * n for k in keys])
-    observed = np.array([counts.get(k, 0) for k in keys], dtype=float)
-    big = expected >= 5
-    exp = np.append(expected[big], expected[~big].sum())
-    obs = np.append(observed[big], observed[~big].sum())
-    p = chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-    print(f"chi-square p = {p:.4f} over {big.sum()} cells")
-    assert p > 1e-3
+    assert_first_tokens_match_target(target, outs, n)
 
 
 def test_training_unroll_equals_inference_chain():

@@ -80,6 +80,20 @@ class Drafter(ABC):
 _REGISTRY: dict[str, Callable[..., Drafter]] = {}
 
 
+class BatchFirstDrafter(Drafter):
+    """A drafter whose work is batched (model drafters): single-request observe is the batch call with one row
+    range, so there is one code path to keep exact."""
+
+    def observe(self, request: DraftRequest, hidden: dict[int, torch.Tensor], n_committed: int,
+                start: int | None = None) -> None:
+        self.observe_batch([request], hidden, [0], [n_committed], None if start is None else [start])
+
+    @abstractmethod
+    def observe_batch(self, requests: list[DraftRequest], hidden: dict[int, torch.Tensor], offsets: list[int],
+                      counts: list[int], starts: list[int] | None = None) -> None:
+        """As Drafter.observe_batch; `starts` rolls each request's context back to that position first."""
+
+
 def register_drafter(name: str):
     def wrap(factory):
         _REGISTRY[name] = factory

@@ -22,7 +22,7 @@ import torch
 
 from ..decoding.sampling import sample_from, to_probs
 from ..models.transformer import Transformer
-from .base import DraftRequest, Drafter, DrafterError, Proposal, register_drafter
+from .base import BatchFirstDrafter, DraftRequest, DrafterError, Proposal, register_drafter
 from .dspark_checkpoint import load_calibration, load_drafter_model
 from .dspark_context import DraftContext
 from .dspark_model import DSparkModel
@@ -35,7 +35,7 @@ class DSparkProposal(Proposal):
     confidence_logits: torch.Tensor | None = None  # [R, γ] raw logits of the confidence head
 
 
-class DSparkDrafter(Drafter):
+class DSparkDrafter(BatchFirstDrafter):
     name = "dspark"
 
     def __init__(self, model: DSparkModel, target: Transformer, gamma: int | None = None, calibration=None):
@@ -55,11 +55,6 @@ class DSparkDrafter(Drafter):
             layer = self.model.layers[0]
             ctx = request.state[STATE_KEY] = DraftContext(len(self.model.layers), layer.kv_heads, layer.head_dim)
         return ctx
-
-    def observe(self, request: DraftRequest, hidden: dict[int, torch.Tensor], n_committed: int,
-                start: int | None = None) -> None:
-        """Extend the request's draft context with the first n_committed rows of `hidden` (see module doc)."""
-        self.observe_batch([request], hidden, [0], [n_committed], None if start is None else [start])
 
     @torch.inference_mode()
     def observe_batch(self, requests: list[DraftRequest], hidden: dict[int, torch.Tensor], offsets: list[int],

@@ -17,7 +17,7 @@ import torch
 
 from ..decoding.sampling import sample_from
 from ..models.transformer import Transformer
-from .base import DraftRequest, Drafter, DrafterError, Proposal, register_drafter
+from .base import BatchFirstDrafter, DraftRequest, DrafterError, Proposal, register_drafter
 from .dspark import DSparkDrafter, _transformer
 from .dspark_checkpoint import load_drafter_model
 from .dspark_context import DraftContext
@@ -42,7 +42,7 @@ class _Features:
         self.length = end
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(BatchFirstDrafter):
     name = "eagle3"
 
     def __init__(self, model: Eagle3Model, target: Transformer, gamma: int | None = None):
@@ -58,10 +58,6 @@ class Eagle3Drafter(Drafter):
             state = request.state[STATE_KEY] = (_Features(self.model.target_config.hidden_size),
                                                 DraftContext(1, layer.kv_heads, layer.head_dim))
         return state
-
-    def observe(self, request: DraftRequest, hidden: dict[int, torch.Tensor], n_committed: int,
-                start: int | None = None) -> None:
-        self.observe_batch([request], hidden, [0], [n_committed], None if start is None else [start])
 
     @torch.inference_mode()
     def observe_batch(self, requests: list[DraftRequest], hidden: dict[int, torch.Tensor], offsets: list[int],
