@@ -12,11 +12,18 @@ class LogitModel:
 
     head = None
 
-    def __init__(self, conf_logit=None):
-        self.conf_logit = conf_logit
+    def __init__(self, conf_logit=None, vocab_ids=None):
+        self.conf_logit, self.vocab_ids = conf_logit, vocab_ids
 
-    def base_logits(self, h):
+    def base_logits(self, h, full=False):
         return h.float()
+
+    def to_local(self, tokens):
+        if self.vocab_ids is None:
+            return tokens
+        table = torch.full((int(self.vocab_ids.max()) + 2,), -1)
+        table[self.vocab_ids] = torch.arange(len(self.vocab_ids))
+        return table[tokens.clamp_max(len(table) - 1)]
 
     def confidence_logits(self, h, prev):
         return None if self.conf_logit is None else torch.full(h.shape[:-1], self.conf_logit)
@@ -44,6 +51,21 @@ def test_hand_case():
     loss = combine(t, t["den"], (0.1, 0.9, 1.0))
     expected = (0.1 * float(t["ce"]) + 0.9 * 0.5 + float(t["conf"])) / t["den"]
     assert math.isclose(float(loss), expected, rel_tol=1e-6)
+
+
+def test_hand_case_with_a_draft_vocabulary():
+    # V = 3, the drafter covers tokens {0, 2}: q = (1/2, 1/2) there; p = (1/2, 1/4, 1/4) over all three.
+    # ‖q − p‖₁ = 0 + 1/4 (token 1, which the drafter cannot propose) + 1/4 = 1/2; label 1 has no CE term.
+    model = LogitModel(vocab_ids=torch.tensor([0, 2]))
+    h = torch.zeros(1, 1, 2)
+    th = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
+    t = block_terms(model, h, torch.zeros(1, 1, dtype=torch.long), torch.tensor([[1]]),
+                    torch.tensor([[True]]), th, slot_weights(1, 4.0))
+    assert math.isclose(float(t["tv"]), 0.5, rel_tol=1e-6) and t["accept"].tolist() == [0.75]
+    assert float(t["ce"]) == 0.0 and t["top1"] == 0.0
+    t = block_terms(model, h, torch.zeros(1, 1, dtype=torch.long), torch.tensor([[2]]),
+                    torch.tensor([[True]]), th, slot_weights(1, 4.0))
+    assert math.isclose(float(t["ce"]), math.log(2), rel_tol=1e-6)  # token 2 is draft position 1
 
 
 def test_gradient_flows_only_through_the_draft():

@@ -23,10 +23,11 @@ def env(tmp_path_factory):
     return root, target, random_dataset(root / "data.jsonl", 16, seed=2)
 
 
-def raw_config(env, out, **optim):
+def raw_config(env, out, draft_vocab=0, **optim):
     root, target, data = env
     return {"target": {"name": str(target)},
-            "drafter": {"layer_ids": [0, 1, 2], "num_layers": 2, "block_size": 4, "rank": 8, "head": "markov"},
+            "drafter": {"layer_ids": [0, 1, 2], "num_layers": 2, "block_size": 4, "rank": 8, "head": "markov",
+                        "draft_vocab": draft_vocab},
             "data": {"dataset": str(data), "anchors_per_seq": 6, "max_seq_len": 64, "feature_dtype": "bfloat16"},
             "optim": {"batch_seqs": 4, "max_steps": 4, "warmup_steps": 2, "lr": 3e-3, "loss_chunk_blocks": 5,
                       **optim},
@@ -53,16 +54,17 @@ def test_config_rejects_unknown_keys_and_bad_types(tmp_path):
         cfg.optim.lr = 1.0  # frozen
 
 
-def test_resume_equals_uninterrupted_training(env, tmp_path):
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+def test_resume_equals_uninterrupted_training(env, tmp_path, draft_vocab):
     loaded = load_model(str(env[1]))
-    full = Trainer(config_from_dict(raw_config(env, tmp_path / "full")), loaded=loaded)
+    full = Trainer(config_from_dict(raw_config(env, tmp_path / "full", draft_vocab)), loaded=loaded)
     full.run()
-    part = Trainer(config_from_dict(raw_config(env, tmp_path / "part")), loaded=loaded)
+    part = Trainer(config_from_dict(raw_config(env, tmp_path / "part", draft_vocab)), loaded=loaded)
     part.train_step()
     part.train_step()
     part.save()
     del part
-    resumed = Trainer(config_from_dict(raw_config(env, tmp_path / "part")), loaded=loaded)
+    resumed = Trainer(config_from_dict(raw_config(env, tmp_path / "part", draft_vocab)), loaded=loaded)
     assert resumed.step == 2
     torch.manual_seed(1234)  # resume must not depend on the RNG state of the new process
     summary = resumed.run()
@@ -70,6 +72,10 @@ def test_resume_equals_uninterrupted_training(env, tmp_path):
     a, b = weights(tmp_path / "full" / "drafter"), weights(tmp_path / "part" / "drafter")
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    if draft_vocab:  # the ids travel with the weights, and the export records how much of the data they cover
+        assert a["vocab_ids"].dtype == torch.int64 and a["vocab_ids"].numel() == draft_vocab
+        saved = json.loads((tmp_path / "full" / "drafter" / "config.json").read_text())
+        assert 0 < saved["training"]["draft_vocab_coverage"] <= 1
     steps = lambda run: [r["step"] for r in csv.DictReader(open(tmp_path / run / "train_log.csv"))]  # noqa
     assert steps("full") == ["1", "2", "3", "4"] and steps("part") == ["3", "4"]
 

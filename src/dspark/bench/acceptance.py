@@ -145,8 +145,8 @@ def head_latency(loaded, drafter, ids: list[int], repeats: int = 20) -> dict | N
     block = [request.tokens[-1]] * (drafter.gamma + 1)
     verify = timed(lambda: (cache.truncate(len(ids)), loaded.model.forward(
         torch.tensor(block), [Segment(cache, len(ids), len(block))], hidden_layers=drafter.needs_layers)))
-    rows = torch.randn(drafter.gamma, loaded.model.config.hidden_size, dtype=loaded.model.dtype)
-    lm_head = timed(lambda: loaded.model.lm_logits(rows))
+    rows = torch.randn(1, drafter.gamma, loaded.model.config.hidden_size)
+    lm_head = timed(lambda: drafter.base_logits(rows))  # the drafter's LM head (its draft vocabulary, if any)
     round_ms = with_head + verify
     return {"propose_ms": with_head, "propose_without_heads_ms": without, "verify_forward_ms": verify,
             "head_ms": with_head - without, "head_share_of_round": (with_head - without) / round_ms,

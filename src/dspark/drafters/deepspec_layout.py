@@ -221,6 +221,9 @@ def export_deepspec(drafter, out_dir, target, *, dtype: torch.dtype | None = Non
             "anchors_per_seq")
     model: DSparkModel = drafter.model if isinstance(drafter, DSparkDrafter) else drafter
     dtype, arch, c = dtype or torch.float32, model.arch, tgt.config
+    if arch.draft_vocab:
+        raise DrafterError(f"this drafter has a {arch.draft_vocab}-token draft vocabulary; {ARCH} drafts over the "
+                           f"whole vocabulary and has no field for the id map, so it cannot be exported")
     if c.num_layers - 1 in arch.layer_ids:
         raise DrafterError(f"layer_ids {list(arch.layer_ids)} include the target's last layer {c.num_layers - 1}: "
                            f"DeepSpec and HF-based engines read it after the final norm, so it cannot be exported")

@@ -95,14 +95,20 @@ class DSparkDrafter(BatchFirstDrafter):
         block_ids[:, 0, 0] = anchor_ids
         ctx_kv, visible = DraftContext.batch(ctxs, anchors)  # per layer [R, T, kvH, hd]; [R, 1, T]
         h = self.model.backbone(block_ids, anchors[:, None], ctx_kv, visible)[:, 0, : self.gamma]  # [R, γ, d]
-        base = self.target.lm_logits(h.reshape(-1, h.shape[-1]).to(self.target.dtype)).view(R, self.gamma, -1)
-        tokens, probs, conf = self._sample_block(h, base, anchor_ids, requests)
+        tokens, probs, conf = self._sample_block(h, self.base_logits(h), anchor_ids, requests)
         return DSparkProposal(tokens=tokens, num_tokens=torch.full((R,), self.gamma), probs=probs,
                               confidences=self._calibrate(conf), confidence_logits=conf)
 
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [R, γ, d] -> [R, γ, Vd]: the target's own (packed, fast) head, or the draft vocabulary's rows."""
+        if self.model.vocab_ids is not None:
+            return self.model.base_logits(h)
+        return self.target.lm_logits(h.reshape(-1, h.shape[-1]).to(self.target.dtype)).view(*h.shape[:2], -1)
+
     def _sample_block(self, h: torch.Tensor, base: torch.Tensor, prev: torch.Tensor, requests):
         """Left to right: slot k's logits = U_k + head bias(x_{k−1}), x_{k−1} the token actually drawn.
-        h: [R, γ, d]; base: [R, γ, V] -> tokens [R, γ], probs [R, γ, V] fp32, confidence logits [R, γ]."""
+        h: [R, γ, d]; base: [R, γ, Vd] -> tokens [R, γ], probs [R, γ, V] fp32 (zero outside the draft
+        vocabulary), confidence logits [R, γ]."""
         R, gamma, V = base.shape
         model, head = self.model, self.model.head
         tokens = torch.empty(R, gamma, dtype=torch.long)
@@ -117,9 +123,10 @@ class DSparkDrafter(BatchFirstDrafter):
             if conf is not None:
                 conf[:, k] = model.confidence_logits(h[:, k], prev)
             probs[:, k] = self._process(logits, requests)
-            # Invariant 1: the token is drawn from exactly the fp32 vector handed to verification.
-            tokens[:, k] = prev = sample_from(probs[:, k], self._uniforms(requests))
-        return tokens, probs, conf
+            # Invariant 1: the token is drawn from exactly the fp32 vector handed to verification (scattered
+            # into the full vocabulary below, which changes no probability).
+            tokens[:, k] = prev = model.to_full(sample_from(probs[:, k], self._uniforms(requests)))
+        return tokens, model.scatter_probs(probs), conf
 
     @staticmethod
     def _process(logits: torch.Tensor, requests) -> torch.Tensor:

@@ -67,7 +67,9 @@ def save_drafter(out_dir: str | os.PathLike, model: DSparkModel, target: Transfo
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the renamed directory is an ordinary one
     try:
-        tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+        # Integer buffers (the draft vocabulary's ids) keep their dtype.
+        tensors = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+                   for k, v in model.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS))
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         old = out.with_name(f".{out.name}.old")
@@ -127,7 +129,7 @@ def load_drafter_model(path: str | os.PathLike, target: Transformer, strict_targ
     wrong = [k for k in expected if tensors[k].shape != expected[k].shape]
     if wrong:
         raise DrafterError(f"{path}/{WEIGHTS}: shapes differ from config.json for {wrong[:6]}")
-    model.load_state_dict({k: v.float() for k, v in tensors.items()})
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
     return model.eval().requires_grad_(False), config
 
 

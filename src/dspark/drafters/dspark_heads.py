@@ -18,12 +18,12 @@ class MarkovHead(nn.Module):
 
     kind = "markov"
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, out_size: int | None = None):
         super().__init__()
         del hidden_size  # the Markov bias ignores h_k; the signature is shared with RNNHead
         self.rank = rank
-        self.w1 = nn.Embedding(vocab_size, rank)  # W1: [V, r]
-        self.w2 = nn.Linear(rank, vocab_size, bias=False)  # W2ᵀ: [V, r]
+        self.w1 = nn.Embedding(vocab_size, rank)  # W1: [V, r] (the previous token may be any target token)
+        self.w2 = nn.Linear(rank, out_size or vocab_size, bias=False)  # W2ᵀ: [Vd, r] (the drafter's vocabulary)
         nn.init.normal_(self.w1.weight, std=0.02)
         nn.init.normal_(self.w2.weight, std=0.02)
 
@@ -35,7 +35,7 @@ class MarkovHead(nn.Module):
         return None  # memoryless
 
     def step(self, state, prev: torch.Tensor, h: torch.Tensor):
-        """prev: [...]; h: [..., d] -> (state, bias [..., V])."""
+        """prev: [...]; h: [..., d] -> (state, bias [..., Vd])."""
         return state, self.w2(self.w1(prev))
 
     def block_bias(self, prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -52,11 +52,11 @@ class RNNHead(nn.Module):
 
     kind = "rnn"
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, out_size: int | None = None):
         super().__init__()
         self.rank = rank
         self.w1 = nn.Embedding(vocab_size, rank)
-        self.w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.w2 = nn.Linear(rank, out_size or vocab_size, bias=False)
         self.joint = nn.Linear(2 * rank + hidden_size, 3 * rank)
         for w in (self.w1.weight, self.w2.weight, self.joint.weight):
             nn.init.normal_(w, std=0.02)
@@ -85,7 +85,9 @@ class RNNHead(nn.Module):
         return torch.stack(biases, dim=-2)  # [..., γ, V]
 
 
-def make_sequential_head(kind: str, vocab_size: int, rank: int, hidden_size: int) -> nn.Module | None:
+def make_sequential_head(kind: str, vocab_size: int, rank: int, hidden_size: int,
+                         out_size: int | None = None) -> nn.Module | None:
+    """vocab_size: ids of previous tokens (the target's); out_size: the biased logits (the draft vocabulary)."""
     if kind not in HEAD_TYPES:
         raise ValueError(f"unknown sequential head {kind!r}; choose one of {', '.join(HEAD_TYPES)}")
     if kind == "none":
@@ -93,7 +95,7 @@ def make_sequential_head(kind: str, vocab_size: int, rank: int, hidden_size: int
     if rank < 1:
         raise ValueError(f"a {kind} head needs rank >= 1, got {rank}")
     cls = MarkovHead if kind == "markov" else RNNHead
-    return cls(vocab_size, rank, hidden_size)
+    return cls(vocab_size, rank, hidden_size, out_size)
 
 
 class ConfidenceHead(nn.Module):

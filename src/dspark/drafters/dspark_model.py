@@ -22,6 +22,7 @@ from ..models.layers import RotaryTable, apply_rotary
 from ..models.transformer import Transformer
 from .dspark_attention import block_attention
 from .dspark_heads import ConfidenceHead, make_sequential_head
+from .frozen_target import DraftVocabMixin, FrozenTarget
 
 
 def default_layer_ids(num_target_layers: int, count: int = 5) -> tuple[int, ...]:
@@ -45,6 +46,7 @@ class DrafterArch:
     rank: int = 64
     confidence: bool = True
     intermediate_size: int = 0  # 0 = the target's
+    draft_vocab: int = 0  # > 0: the LM head covers only this many target tokens (see DraftVocabMixin)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "layer_ids": list(self.layer_ids)}
@@ -122,20 +124,7 @@ class DraftLayer(nn.Module):
         return x + h
 
 
-@dataclass
-class FrozenTarget:
-    """The target tensors the drafter shares but never trains or saves: embedding, LM head, rotary table."""
-
-    embed: torch.Tensor  # [V, d]
-    lm_head: torch.Tensor  # [V, d]
-    embed_scale: float | None
-    softcap: float | None
-    rope: RotaryTable = field(repr=False)
-    head_dtype: torch.dtype | None = None  # a low-precision copy of the head for training, if set
-    lm_head_lowp: torch.Tensor | None = field(default=None, repr=False)
-
-
-class DSparkModel(nn.Module):
+class DSparkModel(DraftVocabMixin, nn.Module):
     def __init__(self, arch: DrafterArch, target: Transformer):
         super().__init__()
         cfg = target.config
@@ -148,7 +137,7 @@ class DSparkModel(nn.Module):
         inter = arch.intermediate_size or cfg.intermediate_size
         self.layers = nn.ModuleList(DraftLayer(cfg, inter) for _ in range(arch.num_layers))
         self.final_norm = RMSNorm(d, cfg.rms_eps)
-        self.head = make_sequential_head(arch.head, cfg.vocab_size, arch.rank, d)
+        self.head = make_sequential_head(arch.head, cfg.vocab_size, arch.rank, d, arch.draft_vocab or cfg.vocab_size)
         token_dim = self.head.rank if self.head is not None else 0
         self.confidence = ConfidenceHead(d, token_dim) if arch.confidence else None
         # Not registered as parameters or buffers: never trained, never written into the checkpoint.
@@ -156,6 +145,7 @@ class DSparkModel(nn.Module):
                                    float(cfg.hidden_size ** 0.5) if cfg.gemma_norm else None,
                                    cfg.final_logit_softcap,
                                    RotaryTable(cfg.rope, cfg.head_dim, torch.float32, target.embed.device))
+        self._init_draft_vocab(arch, cfg.vocab_size)
         self.to(target.embed.device)
 
     # ------------------------------------------------------------------------------------------------
@@ -181,11 +171,6 @@ class DSparkModel(nn.Module):
                     copied.append(len(target.layers) - len(self.layers) + i)
         return copied
 
-    def rope(self, positions: torch.Tensor):
-        """positions: [N] -> (cos, sin) [N, 1, hd] in fp32."""
-        top = int(positions.max()) if positions.numel() else 0
-        return self.frozen.rope.lookup(positions, top)
-
     def fuse_features(self, layer_states: torch.Tensor) -> torch.Tensor:
         """layer_states: [N, m, d] (the captured target layers, in layer_ids order) -> [N, d]."""
         return self.fuse_norm(self.fuse(layer_states.flatten(1).to(self.fuse.weight.dtype)))
@@ -194,10 +179,6 @@ class DSparkModel(nn.Module):
         """feats: [N, d] fused; positions: [N] -> per draft layer (k, v) [N, kvH, hd]."""
         rope = self.rope(positions)
         return [layer.context_kv(feats, rope) for layer in self.layers]
-
-    def embed_block(self, block_ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(block_ids, self.frozen.embed).to(self.fuse.weight.dtype)
-        return x * self.frozen.embed_scale if self.frozen.embed_scale is not None else x
 
     def backbone(self, block_ids, anchors, ctx_kv, ctx_visible) -> torch.Tensor:
         """block_ids: [G, A, γ]; anchors: [G, A] anchor positions; ctx_kv: per layer (kc, vc) [G, T, kvH, hd];
@@ -208,21 +189,6 @@ class DSparkModel(nn.Module):
         for layer, (kc, vc) in zip(self.layers, ctx_kv):
             x = layer(x, rope, kc, vc, ctx_visible)
         return self.final_norm(x)
-
-    def set_head_dtype(self, dtype: torch.dtype) -> None:
-        """Run the frozen LM head in `dtype` (training: bf16 halves the dominant cost on CPU; the logits and
-        everything after them stay fp32). Inference uses the target's own head, unaffected."""
-        self.frozen.head_dtype = None if dtype == torch.float32 else dtype
-        self.frozen.lm_head_lowp = None if dtype == torch.float32 else self.frozen.lm_head.to(dtype)
-
-    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h: [..., d] -> U: [..., V] fp32 through the frozen target LM head (softcap included)."""
-        if self.frozen.head_dtype is not None:
-            logits = F.linear(h.to(self.frozen.head_dtype), self.frozen.lm_head_lowp).float()
-        else:
-            logits = F.linear(h, self.frozen.lm_head.to(h.dtype)).float()
-        cap = self.frozen.softcap
-        return torch.tanh(logits / cap) * cap if cap else logits
 
     def prev_embedding(self, prev: torch.Tensor) -> torch.Tensor | None:
         return self.head.prev_embedding(prev) if self.head is not None else None

@@ -119,17 +119,21 @@ class Eagle3Drafter(BatchFirstDrafter):
         ctx_kv, visible = DraftContext.batch([c for _, c in states], anchors)  # [(kc, vc)] [R, T, kvH, hd]; [R, 1, T]
         kc, vc = ctx_kv[0]
         tokens = torch.empty(R, gamma, dtype=torch.long)
-        probs = torch.empty(R, gamma, self.target.config.vocab_size, dtype=torch.float32)
+        model = self.model
+        probs = torch.empty(R, gamma, model.draft_vocab_size, dtype=torch.float32)
 
         def emit(j: int, h: torch.Tensor) -> torch.Tensor:
-            logits = self.target.lm_logits(h[:, 0].to(self.target.dtype))  # [R, V] fp32
+            if model.vocab_ids is None:
+                logits = self.target.lm_logits(h[:, 0].to(self.target.dtype))  # [R, V] fp32
+            else:
+                logits = model.base_logits(h[:, 0])  # [R, Vd] fp32
             probs[:, j] = DSparkDrafter._process(logits, requests)
             # Invariant 1: the token is drawn from exactly the fp32 vector handed to verification.
-            tokens[:, j] = sample_from(probs[:, j], DSparkDrafter._uniforms(requests))
+            tokens[:, j] = model.to_full(sample_from(probs[:, j], DSparkDrafter._uniforms(requests)))
             return tokens[:, j: j + 1]
 
-        self.model.chain(ids, feat, (anchors - 1)[:, None], kc, vc, visible, gamma, emit)
-        return Proposal(tokens=tokens, num_tokens=torch.full((R,), gamma), probs=probs)
+        model.chain(ids, feat, (anchors - 1)[:, None], kc, vc, visible, gamma, emit)
+        return Proposal(tokens=tokens, num_tokens=torch.full((R,), gamma), probs=model.scatter_probs(probs))
 
 
 def load_eagle3(path, target, gamma: int | None = None, strict_target: bool = True,

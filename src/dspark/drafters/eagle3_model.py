@@ -28,7 +28,8 @@ from torch import nn
 
 from ..models.layers import RotaryTable, activation, apply_rotary
 from ..models.transformer import Transformer
-from .dspark_model import DrafterArch, DSparkModel, FrozenTarget, RMSNorm
+from .dspark_model import DrafterArch, RMSNorm
+from .frozen_target import DraftVocabMixin, FrozenTarget
 
 
 class Eagle3Layer(nn.Module):
@@ -84,12 +85,8 @@ def chain_attention(q, kc, vc, visible, kb, vb, scale: float) -> torch.Tensor:
     return out.reshape(G, A, H, hd)
 
 
-class Eagle3Model(nn.Module):
+class Eagle3Model(DraftVocabMixin, nn.Module):
     """Parameters: fuse, layer, final_norm. Embedding, LM head and RoPE are the target's (frozen, not saved)."""
-
-    # Shared with DSpark verbatim (they only touch self.frozen and self.fuse).
-    rope, embed_block, set_head_dtype, base_logits = (DSparkModel.rope, DSparkModel.embed_block,
-                                                       DSparkModel.set_head_dtype, DSparkModel.base_logits)
 
     def __init__(self, arch: DrafterArch, target: Transformer):
         super().__init__()
@@ -107,6 +104,7 @@ class Eagle3Model(nn.Module):
         self.frozen = FrozenTarget(target.embed, target.lm_head.weight,
                                    float(d ** 0.5) if cfg.gemma_norm else None, cfg.final_logit_softcap,
                                    RotaryTable(cfg.rope, cfg.head_dim, torch.float32, target.embed.device))
+        self._init_draft_vocab(arch, cfg.vocab_size)
         self.to(target.embed.device)
 
     def init_from_target(self, target: Transformer) -> list[int]:

@@ -37,6 +37,7 @@ class DrafterSection:
     confidence: bool = True
     init_from_target: bool = True
     intermediate_size: int = 0  # 0 = the target's
+    draft_vocab: int = 0  # > 0: the drafter's LM head covers the N most frequent answer tokens of the data
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 
 from ..drafters.eagle3_model import Eagle3Model
 from . import packing
-from .losses import chunked_backward, valid_blocks
+from .losses import chunked_backward, target_probs, valid_blocks
 from .packing import Batch, BlockPlan
 
 STEP_DECAY = 0.8
@@ -78,17 +78,16 @@ def block_terms(model: Eagle3Model, h: torch.Tensor, labels: torch.Tensor, valid
     """Weighted sums over B blocks. h, target_hidden: [B, γ, d]; labels, valid: [B, γ]; weights: [γ].
     -> {ce: Σ w·(−Σ p log q) (with grad); tv: Σ w‖q−p‖₁; conf: 0; den, top1: floats; accept, count: [γ]}
     (accept: Σ (1 − ½‖q−p‖₁), the acceptance probability of each step given its teacher-forced prefix)."""
-    logits = model.base_logits(h)  # [B, γ, V] fp32
+    logits = model.base_logits(h)  # [B, γ, Vd] fp32
     logq = logits.log_softmax(-1)
-    with torch.no_grad():
-        p = model.base_logits(target_hidden).softmax(-1)
+    p, outside = target_probs(model, target_hidden)  # [B, γ, Vd], [B, γ]: normalised over the full vocabulary
     w = weights * valid
     ce = -((p * logq).sum(-1) * w).sum()
     with torch.no_grad():
-        l1 = (logq.exp() - p).abs().sum(-1)  # [B, γ]
+        l1 = (logq.exp() - p).abs().sum(-1) + outside  # [B, γ]
         accept = (1 - 0.5 * l1).clamp(0, 1)
         vf = valid.float()
-        top1 = ((logits.argmax(-1) == labels) & valid).sum().item()
+        top1 = ((logits.argmax(-1) == model.to_local(labels)) & valid).sum().item()
     return {"ce": ce, "tv": float((l1 * w).sum()), "conf": 0.0, "den": float(w.sum()), "top1": float(top1),
             "accept": (accept * vf).sum(0).cpu(), "count": vf.sum(0).cpu()}
 

@@ -41,25 +41,36 @@ def block_terms(model: DSparkModel, h: torch.Tensor, prev: torch.Tensor, labels:
                 valid: torch.Tensor, target_hidden: torch.Tensor, weights: torch.Tensor) -> dict:
     """Weighted loss sums of B blocks. h, target_hidden: [B, γ, d]; prev, labels, valid: [B, γ]; weights: [γ].
     -> {ce, tv, conf: scalar sums (with grad); den, top1: floats; accept: [γ] Σ(1 − ½‖q−p‖₁); count: [γ]}"""
-    logits = model.base_logits(h)  # [B, γ, V] fp32
+    logits = model.base_logits(h)  # [B, γ, Vd] fp32
     if model.head is not None:
         logits = logits + model.head.block_bias(prev, h).float()
     logq = logits.log_softmax(-1)
-    with torch.no_grad():
-        p = model.base_logits(target_hidden).softmax(-1)  # [B, γ, V]
+    p, outside = target_probs(model, target_hidden)  # [B, γ, Vd], [B, γ]
     w = weights * valid  # [B, γ]
-    ce = -(logq.gather(-1, labels.unsqueeze(-1)).squeeze(-1) * w).sum()
-    l1 = (logq.exp() - p).abs().sum(-1)  # [B, γ]
+    local = model.to_local(labels)  # [B, γ]; −1: a label the draft vocabulary cannot produce (no CE term)
+    ce = -(logq.gather(-1, local.clamp_min(0).unsqueeze(-1)).squeeze(-1) * w * (local >= 0)).sum()
+    l1 = (logq.exp() - p).abs().sum(-1) + outside  # [B, γ] ‖q − p‖₁ over the whole vocabulary
     accept = (1 - 0.5 * l1.detach()).clamp(0, 1)
     conf = ce.new_zeros(())
     c = model.confidence_logits(h, prev)
     if c is not None:
         conf = (F.binary_cross_entropy_with_logits(c, accept, reduction="none") * w).sum()
     with torch.no_grad():
-        top1 = ((logits.argmax(-1) == labels) & valid).sum().item()
+        top1 = ((logits.argmax(-1) == local) & valid).sum().item()
         vf = valid.float()
     return {"ce": ce, "tv": (l1 * w).sum(), "conf": conf, "den": float(w.sum()), "top1": float(top1),
             "accept": (accept * vf).sum(0).cpu(), "count": vf.sum(0).cpu()}
+
+
+@torch.no_grad()
+def target_probs(model, target_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's T = 1 distribution from its final hidden states [..., d] -> (p on the draft vocabulary
+    [..., Vd], the mass outside it [...]). Normalised over the FULL vocabulary either way."""
+    p = model.base_logits(target_hidden, full=True).softmax(-1)  # [..., V]
+    if model.vocab_ids is None:
+        return p, p.new_zeros(p.shape[:-1])
+    p = p[..., model.vocab_ids]
+    return p, (1 - p.sum(-1)).clamp_min(0)
 
 
 def combine(terms: dict, den: float, alpha: tuple[float, float, float]) -> torch.Tensor:

@@ -65,7 +65,7 @@ def make_arch(cfg: TrainConfig, target) -> DrafterArch:
         tc.num_layers, c.num_feature_layers), num_layers=c.num_layers, block_size=c.block_size,
         mask_token_id=c.mask_token_id if c.mask_token_id >= 0 else tc.vocab_size - 1,
         head="none" if plain else c.head, rank=0 if plain or c.head == "none" else c.rank,
-        confidence=c.confidence and not plain, intermediate_size=c.intermediate_size)
+        confidence=c.confidence and not plain, intermediate_size=c.intermediate_size, draft_vocab=c.draft_vocab)
 
 
 def make_source(cfg: TrainConfig, loaded, layer_ids):
@@ -100,6 +100,7 @@ class Trainer:
         self.model = self.recipe.model(arch, self.target)
         if cfg.drafter.init_from_target:
             self.model.init_from_target(self.target)
+        self.vocab_coverage = self._choose_draft_vocab()
         self.model.set_head_dtype(getattr(torch, cfg.optim.head_dtype))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optim
@@ -117,6 +118,19 @@ class Trainer:
         self.step, self.totals = 0, {"context_tokens": 0, "slots": 0, "seconds": 0.0}
         if cfg.run.resume:
             self._resume()
+
+    def _choose_draft_vocab(self) -> float | None:
+        """Fill the draft vocabulary from the training data (deterministic; a resumed run reloads the same ids
+        from its checkpoint). -> the fraction of answer tokens it covers, or None without one."""
+        size = self.model.arch.draft_vocab
+        if not size:
+            return None
+        from .draft_vocab import coverage, select_draft_vocab
+
+        ids = select_draft_vocab(self.source.data, size, self.target.config.vocab_size,
+                                 always=tuple(getattr(self.loaded, "eos_ids", ()) or ()))
+        self.model.set_draft_vocab(ids)
+        return coverage(self.source.data, ids)
 
     # ------------------------------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -220,7 +234,8 @@ class Trainer:
         dtype = getattr(torch, self.cfg.run.export_dtype)
         return save_drafter(self.out / "drafter", self.model, self.target, target_name=self.cfg.target.name,
                             chat_template=getattr(self.loaded.tokenizer, "chat_template", None), dtype=dtype,
-                            training={"steps": self.step, **self.totals, "config": self.cfg.to_dict()})
+                            training={"steps": self.step, **self.totals, "config": self.cfg.to_dict(),
+                                      "draft_vocab_coverage": self.vocab_coverage})
 
     def run(self) -> dict:
         cfg, t_start = self.cfg, time.perf_counter()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Table 1 on SmolLM2-135M-Instruct (issue 4): DSpark, DFlash and Eagle3 on the same data and budget, then
+# `dspark bench acceptance` over the three. 2-core CPU: DSpark and DFlash train side by side on one thread
+# each, then Eagle3 on both. Every run resumes from its last checkpoint when the script is rerun.
+#
+#   prerequisites: data/smollm2-gen (dspark datagen, see configs/smollm2-dspark.toml) and data/smollm2-cache:
+#   dspark cache build --data data/smollm2-gen --out data/smollm2-cache --layers 1,8,14,20,27 --max-seq-len 768
+#
+# Environment: STEPS (default 400), LIMIT prompts per set (15), TOKENS new tokens per prompt (64), OUT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DSPARK=${DSPARK:-.venv/bin/dspark}
+STEPS=${STEPS:-400}
+LIMIT=${LIMIT:-15}
+TOKENS=${TOKENS:-64}
+OUT=${OUT:-results/table1}
+CFG=configs/smollm2-table1.toml
+
+train() {  # name threads [--set ...]
+  local name=$1 threads=$2
+  shift 2
+  "$DSPARK" train --config "$CFG" --set "optim.max_steps=$STEPS" --set "run.out_dir=runs/table1-$name" \
+    --set "run.threads=$threads" --set run.progress=false "$@" > "runs/table1-$name.log" 2>&1
+}
+
+mkdir -p runs "$OUT"
+train dspark 1 &
+train dflash 1 --set drafter.type=dflash &
+wait
+train eagle3 2 --set drafter.type=eagle3
+"$DSPARK" bench acceptance --drafters runs/table1-dspark/drafter,runs/table1-dflash/drafter,runs/table1-eagle3/drafter \
+  --limit "$LIMIT" --max-new-tokens "$TOKENS" --temperatures 1.0 --batch 24 --speed-prompts 0 --head-latency --out "$OUT"
+for name in dspark dflash eagle3; do
+  .venv/bin/python -c "from dspark.training.train_log import plot_log as p; p('runs/table1-$name/train_log.csv', '$OUT/train_$name.png')" || true
+done

@@ -1,0 +1,119 @@
+"""What a drafter shares with its target without training or saving it: embedding, LM head, rotary table.
+
+Both network families (DSpark/DFlash in dspark_model.py, Eagle3 in eagle3_model.py) mix in DraftVocabMixin,
+so the LM-head path, and the optional draft vocabulary, exist once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..models.layers import RotaryTable
+
+
+@dataclass
+class FrozenTarget:
+    """The target tensors the drafter shares but never trains or saves: embedding, LM head, rotary table."""
+
+    embed: torch.Tensor  # [V, d]
+    lm_head: torch.Tensor  # [V, d]
+    embed_scale: float | None
+    softcap: float | None
+    rope: RotaryTable = field(repr=False)
+    head_dtype: torch.dtype | None = None  # training: run the head products in this precision
+    draft_head: torch.Tensor | None = field(default=None, repr=False)  # [Vd, d] the drafter's rows of lm_head
+    full_head: torch.Tensor | None = field(default=None, repr=False)  # [V, d] lm_head in head_dtype
+
+
+class DraftVocabMixin:
+    """The frozen-target parts shared by DSpark/DFlash and Eagle3 networks: rotary lookups, the block embedding,
+    and the LM head, optionally restricted to a draft vocabulary.
+
+    A draft vocabulary (as in EAGLE-3) is a fixed subset of Vd target tokens: the drafter's logits cover only
+    those rows of the target's LM head, which divides the dominant cost of drafting and of training by V/Vd.
+    It is lossless: the draft distribution handed to verification is the subset's distribution scattered into
+    the full vocabulary with zeros elsewhere, and rejection sampling never needs q > 0 where p > 0 (the residual
+    max(0, p − q) covers the tokens the drafter cannot propose). The ids live in the buffer `vocab_ids`
+    (saved with the weights); the head rows are gathered from the target at load time, never stored.
+    """
+
+    vocab_ids: torch.Tensor | None
+    frozen: FrozenTarget
+
+    def _init_draft_vocab(self, arch, vocab_size: int) -> None:
+        if arch.draft_vocab and not 1 < arch.draft_vocab < vocab_size:
+            raise ValueError(f"draft_vocab must be 0 (the whole vocabulary) or between 2 and {vocab_size - 1}, "
+                             f"got {arch.draft_vocab}")
+        ids = torch.arange(arch.draft_vocab, dtype=torch.long) if arch.draft_vocab else None
+        self.register_buffer("vocab_ids", ids)
+        # After load_state_dict replaces the ids, the gathered head rows must follow them.
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_heads())
+        self._refresh_heads()
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.frozen.lm_head.shape[0] if self.vocab_ids is None else self.vocab_ids.numel()
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """ids: [Vd] distinct target token ids (any order; stored sorted)."""
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten().sort().values
+        V = self.frozen.lm_head.shape[0]
+        if self.vocab_ids is None or ids.numel() != self.vocab_ids.numel():
+            raise ValueError(f"this drafter's architecture has draft_vocab={self.arch.draft_vocab}; got {ids.numel()} ids")
+        if ids.unique().numel() != ids.numel() or int(ids[0]) < 0 or int(ids[-1]) >= V:
+            raise ValueError(f"draft vocabulary ids must be distinct and in [0, {V})")
+        with torch.no_grad():
+            self.vocab_ids.copy_(ids.to(self.vocab_ids.device))
+        self._refresh_heads()
+
+    def to_local(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> positions in the draft vocabulary (−1: not in it). Identity without one."""
+        if self.vocab_ids is None:
+            return tokens
+        pos = torch.searchsorted(self.vocab_ids, tokens.clamp_min(0))
+        pos = pos.clamp_max(self.vocab_ids.numel() - 1)
+        return torch.where(self.vocab_ids[pos] == tokens, pos, torch.full_like(pos, -1))
+
+    def to_full(self, local: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary positions -> target token ids."""
+        return local if self.vocab_ids is None else self.vocab_ids[local]
+
+    def scatter_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """[..., Vd] -> [..., V] with zeros outside the draft vocabulary."""
+        if self.vocab_ids is None:
+            return probs
+        out = probs.new_zeros(*probs.shape[:-1], self.frozen.lm_head.shape[0])
+        out[..., self.vocab_ids] = probs
+        return out
+
+    def _refresh_heads(self) -> None:
+        f = self.frozen
+        dt = f.head_dtype or torch.float32
+        rows = f.lm_head if self.vocab_ids is None else f.lm_head[self.vocab_ids.to(f.lm_head.device)]
+        f.draft_head = rows.to(dt)
+        f.full_head = f.lm_head.to(dt)
+
+    def set_head_dtype(self, dtype: torch.dtype) -> None:
+        """Run the frozen LM-head products in `dtype` (training: bf16 halves the dominant cost on CPU; the
+        logits and everything after them stay fp32)."""
+        self.frozen.head_dtype = None if dtype == torch.float32 else dtype
+        self._refresh_heads()
+
+    def base_logits(self, h: torch.Tensor, full: bool = False) -> torch.Tensor:
+        """h: [..., d] -> U: [..., Vd] fp32 through the drafter's rows of the frozen target LM head (softcap
+        included); full=True: all V rows (the target's own distribution, for training targets)."""
+        head = self.frozen.full_head if full else self.frozen.draft_head
+        logits = F.linear(h.to(head.dtype), head).float()
+        cap = self.frozen.softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def rope(self, positions: torch.Tensor):
+        """positions: [N] -> (cos, sin) [N, 1, hd] in fp32."""
+        top = int(positions.max()) if positions.numel() else 0
+        return self.frozen.rope.lookup(positions, top)
+
+    def embed_block(self, block_ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(block_ids, self.frozen.embed).to(self.fuse.weight.dtype)
+        return x * self.frozen.embed_scale if self.frozen.embed_scale is not None else x
