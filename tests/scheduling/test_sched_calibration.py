@@ -19,7 +19,7 @@ from dspark.scheduling import (
     threshold_sweep,
     write_reliability_diagram,
 )
-from dspark.scheduling.metrics import average_ranks, brier
+from dspark.scheduling.metrics import average_ranks, brier, ece_noise_floor
 
 T_TRUE = np.array([0.6, 1.8, 0.8, 2.5, 1.3, 0.7, 1.6])
 
@@ -67,6 +67,17 @@ def test_metrics_hand_computed():
     # 2 bins: [0, .5) holds .1 .4 .35 (mean .2833, freq 1/3); [.5, 1] holds .8 (freq 1).
     assert ece(pred, y, n_bins=2) == pytest.approx(0.75 * abs(0.85 / 3 - 1 / 3) + 0.25 * 0.2)
     assert ece([1.0], [1], n_bins=15) == 0.0  # p = 1 falls in the last bin, not out of range
+
+
+def test_ece_noise_floor_is_the_ece_of_a_perfect_predictor():
+    # A constant p = 0.5 over n rounds: one bin, ECE = |mean(y) − 0.5|, whose mean is about 0.8·sqrt(0.25 / n).
+    for n in (400, 6400):
+        floor = ece_noise_floor(np.full(n, 0.5), draws=400)
+        assert abs(floor - 0.7979 * np.sqrt(0.25 / n)) < 0.1 * np.sqrt(0.25 / n)
+    rng = np.random.default_rng(1)
+    pred = rng.uniform(0, 0.6, 4000)
+    assert ece_noise_floor(pred) > ece_noise_floor(pred[:1000]) / 3  # shrinks like 1/sqrt(n), not faster
+    assert np.isnan(ece_noise_floor(np.array([])))
 
 
 def test_prefix_events_and_bad_counts():

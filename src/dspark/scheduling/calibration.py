@@ -93,7 +93,8 @@ class Calibration:
     def to_dict(self) -> dict:
         def rows(ms: tuple[PositionMetrics, ...]) -> list[dict]:
             return [{"ece": finite_or_none(m.ece), "auc": finite_or_none(m.auc), "brier": finite_or_none(m.brier),
-                     "positive_rate": finite_or_none(m.positive_rate), "n": m.n} for m in ms]
+                     "positive_rate": finite_or_none(m.positive_rate), "n": m.n,
+                     "ece_floor": finite_or_none(m.ece_floor)} for m in ms]
 
         return {"format": FORMAT, "version": VERSION, "temperatures": list(self.temperatures), "n_bins": self.n_bins,
                 "n_rounds": self.n_rounds, "metrics": {"before": rows(self.before), "after": rows(self.after)}}
@@ -119,7 +120,8 @@ class Calibration:
                     f"{path}: 'metrics.{name}' must be a list with one entry per position ({len(temps)})")
             try:
                 return tuple(PositionMetrics(none_to_nan(m["ece"]), none_to_nan(m["auc"]), none_to_nan(m["brier"]),
-                                             none_to_nan(m["positive_rate"]), int(m["n"])) for m in items)
+                                             none_to_nan(m["positive_rate"]), int(m["n"]),
+                                             none_to_nan(m.get("ece_floor"))) for m in items)
             except (KeyError, TypeError, ValueError) as e:
                 raise CalibrationFormatError(f"{path}: bad entry in 'metrics.{name}': {e!r}") from e
 

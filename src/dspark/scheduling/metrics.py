@@ -39,6 +39,21 @@ def ece(pred, y, n_bins: int = 15) -> float:
     return float(ece_rows(np.asarray(pred, dtype=np.float64)[None, :], y, n_bins)[0])
 
 
+def ece_noise_floor(pred, n_bins: int = 15, draws: int = 200, seed: int = 0) -> float:
+    """The ECE a PERFECTLY calibrated predictor shows on these predictions and this sample size: the mean ECE
+    against outcomes drawn y ~ Bernoulli(pred). Binned ECE is biased upward by sampling noise (about
+    sqrt(p(1 − p)/n_bin) per bin), so an ECE near this floor is as calibrated as N rounds can show."""
+    pred = np.asarray(pred, dtype=np.float64)
+    if pred.size == 0:
+        return float("nan")
+    rng = np.random.default_rng(seed)
+    y = (rng.random((draws, pred.size)) < pred[None, :]).astype(np.float64)  # [draws, N]
+    flat = (np.arange(draws)[:, None] * n_bins + _bin_index(pred, n_bins)[None, :]).ravel()
+    sum_p = np.bincount(flat, weights=np.broadcast_to(pred, y.shape).ravel(), minlength=draws * n_bins)
+    sum_y = np.bincount(flat, weights=y.ravel(), minlength=draws * n_bins)
+    return float((np.abs(sum_p - sum_y).reshape(draws, n_bins).sum(axis=1) / pred.size).mean())
+
+
 def average_ranks(x: np.ndarray) -> np.ndarray:
     """1-based ranks with ties given their average rank (what the Mann-Whitney form of AUC needs) [N] -> [N]."""
     x = np.asarray(x, dtype=np.float64)
@@ -91,9 +106,11 @@ class PositionMetrics:
     brier: float
     positive_rate: float  # fraction of rounds where slots 1..k were all accepted
     n: int
+    ece_floor: float = float("nan")  # ece_noise_floor of the same predictions (NaN: not computed)
 
     @staticmethod
     def compute(pred, y, n_bins: int = 15) -> "PositionMetrics":
         y = np.asarray(y, dtype=np.float64)
         rate = float(y.mean()) if y.size else float("nan")
-        return PositionMetrics(ece(pred, y, n_bins), roc_auc(pred, y), brier(pred, y), rate, int(y.size))
+        return PositionMetrics(ece(pred, y, n_bins), roc_auc(pred, y), brier(pred, y), rate, int(y.size),
+                               ece_noise_floor(pred, n_bins))
