@@ -113,3 +113,29 @@ def test_head_latency_restores_the_heads(tiny):
     assert drafter.model.head is head and lat["propose_ms"] > 0 and lat["verify_forward_ms"] > 0
     assert lat["lm_head_ms"] > 0 and lat["round_ms"] == lat["propose_ms"] + lat["verify_forward_ms"]
     assert head_latency(loaded, make_drafter(str(paths["dflash"]), target=loaded.model), [3, 4, 5]) is None
+
+
+def test_bench_serve_simulates_the_measured_cells(tiny, tmp_path, monkeypatch):
+    """`dspark bench serve --traces`: every measured cell gets the simulator's prediction from this machine's
+    profile (target steps and this drafter's drafting cost, measured and cached) and the recorded traces."""
+    from dspark.bench.serving import ServeBenchConfig, simulated
+    from dspark.scheduling.traces import AcceptanceTraces
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    root, loaded, paths, prompts = tiny
+    drafter = make_drafter(str(paths["dspark"]), target=loaded.model)
+    rng = np.random.default_rng(0)
+    traces = AcceptanceTraces(rng.uniform(0.2, 0.9, (200, 4)), rng.integers(0, 5, 200))
+    traces.save(tmp_path / "traces.npz")
+    cfg = ServeBenchConfig(model=str(root / "target"), drafter=str(paths["dspark"]), gamma=4, max_new_tokens=16,
+                           traces=tmp_path / "traces.npz")
+    cells = [{"policy": p, "concurrency": c} for p in ("none", "fixed-4", "async") for c in (1, 4)]
+    simulated(cfg, loaded, drafter, cells)
+    for cell in cells:
+        assert cell["sim_throughput_tok_s"] > 0 and cell["sim_tau"] >= 1.0
+    assert all(c["sim_mean_budget"] == 0 for c in cells if c["policy"] == "none")
+    assert all(c["sim_mean_budget"] == 4 for c in cells if c["policy"] == "fixed-4")
+    cached = list((tmp_path / "cache" / "profiles").glob("*.json"))
+    assert len(cached) == 1 and json.loads(cached[0].read_text())["draft_requests"]  # drafting cost measured
+    with pytest.raises(ValueError, match="γ = 4"):
+        simulated(ServeBenchConfig(model=cfg.model, gamma=7, traces=cfg.traces), loaded, drafter, cells)

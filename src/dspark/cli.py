@@ -93,6 +93,9 @@ def add_bench(sub) -> None:
     s.add_argument("--max-new-tokens", type=int, default=96)
     s.add_argument("--seconds", type=float, default=20.0, help="wall-clock seconds per (policy, concurrency) cell")
     s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--traces", type=Path, default=None,
+                   help="acceptance traces of this drafter (traces.npz from `dspark calibrate`): also simulate every "
+                        "cell from this machine's speed profile and print simulated beside measured")
     s.add_argument("--out", type=Path, default=Path("results/serving"))
     s.set_defaults(func=run_bench_serve)
     a = bench.add_parser("acceptance", help="τ per set/domain, conditional acceptance per position, per drafter",
@@ -142,7 +145,7 @@ def run_bench_serve(args) -> int:
                          policies=tuple(args.policies.split(",")),
                          concurrency=tuple(int(c) for c in args.concurrency.split(",")),
                          max_new_tokens=args.max_new_tokens, seconds_per_cell=args.seconds,
-                         temperature=args.temperature, out=args.out))
+                         temperature=args.temperature, out=args.out, traces=args.traces))
     return 0
 
 
@@ -170,6 +173,8 @@ def add_profile(sub) -> None:
     _add_model_args(p)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--force", action="store_true", help="re-measure even if a matching cached profile exists")
+    p.add_argument("--drafter", default="none",
+                   help="also measure this drafter's cost per step against the number of requests (none: target only)")
     p.set_defaults(func=run_profile)
 
 
@@ -177,13 +182,20 @@ def run_profile(args) -> int:
     from .engine.profiling import load_or_profile, profile_key, profile_path
     from .models import load_model
 
+    from .drafters import make_drafter
+
     loaded = load_model(args.model, dtype=args.dtype)
-    key = profile_key(args.model, args.dtype)
-    prof = load_or_profile(loaded.model, key, repeats=args.repeats, force=args.force)
+    drafter = None if args.drafter == "none" else make_drafter(args.drafter, target=loaded.model)
+    key = profile_key(args.model, args.dtype, drafter.profile_id if drafter else "none")
+    prof = load_or_profile(loaded.model, key, repeats=args.repeats, force=args.force, drafter=drafter)
     print(f"# speed profile ({prof.source}) cached at {profile_path(key)}")
     print("tokens\tms/step\tsteps/s")
     for b, s in zip(prof.tokens, prof.seconds):
         print(f"{b}\t{s * 1000:.1f}\t{1 / s:.2f}")
+    if prof.draft_requests:
+        print("requests\tdraft ms/step")
+        for r, s in zip(prof.draft_requests, prof.draft_seconds):
+            print(f"{r}\t{s * 1000:.1f}")
     return 0
 
 

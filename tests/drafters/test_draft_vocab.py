@@ -147,3 +147,17 @@ def test_select_draft_vocab_ranks_answer_tokens_and_forces_eos():
     assert select_draft_vocab(data, 3, 12).tolist() == [1, 2, 8]
     assert select_draft_vocab(data, 3, 12, always=(11,)).tolist() == [1, 2, 11]
     assert coverage(data, torch.tensor([2, 8])) == 3 / 5
+
+
+def test_drafting_cost_profile_and_profile_ids():
+    """`dspark profile --drafter` measures one propose() per request count; the cache key tells drafters apart."""
+    from dspark.engine.profiling import drafter_step_fn
+    from dspark.scheduling.profile import measure_profile
+
+    target = tiny_target(seed=4)
+    sub = vocab_drafter(target, list(range(0, 96, 2)))
+    prof = measure_profile(lambda b: None, (1, 2), repeats=1, draft_fn=drafter_step_fn(target, sub),
+                           request_counts=(1, 3))
+    assert prof.draft_requests == (1, 3) and all(s > 0 for s in prof.draft_seconds)
+    full = vocab_drafter(target, list(range(0, 96, 2)), kind="dflash")
+    assert sub.profile_id == "dspark-g4-L1-markov6-v48-conf" and full.profile_id.startswith("dflash-g4-L1-none0-v48")

@@ -33,6 +33,7 @@ class ServeBenchConfig:
     seconds_per_cell: float = 20.0
     temperature: float = 0.0
     out: Path = field(default=Path("results/serving"))
+    traces: Path | None = None  # acceptance traces of this drafter: also simulate each cell (see `simulated`)
 
 
 def run_cell(engine: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams,
@@ -85,20 +86,45 @@ def run(cfg: ServeBenchConfig) -> dict:
             print(f"{policy_name:10s} C={c:3d}: {cell['throughput_tok_s']:7.1f} tok/s aggregate, "
                   f"{cell['per_user_tok_s']:6.1f} tok/s per user, budget {cell['mean_verify_budget']:.2f}, "
                   f"tau {cell['tau']:.2f}", flush=True)
+    if cfg.traces is not None:
+        simulated(cfg, loaded, drafter, cells)
     data = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
             "machine": machine_info(), "cells": cells}
+    sim = cfg.traces is not None
     md = (f"# Serving benchmark ({cfg.model}, drafter {cfg.drafter}, T={cfg.temperature:g}, "
           f"{cfg.max_new_tokens} new tokens, {cfg.seconds_per_cell:g} s per cell)\n\n"
           + markdown_table(["policy", "C", "tok/s", "per-user tok/s", "verify budget", "tau", "finished",
-                            "drafter % of step", "engine overhead % of step"],
+                            "drafter % of step", "engine overhead % of step"]
+                           + (["simulated tok/s", "simulated budget", "measured / simulated"] if sim else []),
                            [[c["policy"], c["concurrency"], c["throughput_tok_s"], c["per_user_tok_s"],
                              c["mean_verify_budget"], c["tau"], c["finished_requests"],
                              f"{100 * c['drafter_fraction']:.1f}", f"{100 * c['overhead_fraction']:.1f}"]
+                            + ([c["sim_throughput_tok_s"], c["sim_mean_budget"],
+                                f"{c['throughput_tok_s'] / c['sim_throughput_tok_s']:.2f}"] if sim else [])
                             for c in cells]) + "\n")
     write_results(cfg.out, "serving", data, md)
     plot(cells, cfg.out)
     print(md)
     return data
+
+
+def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict]) -> None:
+    """Add the serving simulator's prediction to every measured cell: the same policies (built the same way,
+    over the same cached speed profile, with this drafter's measured drafting cost), closed-loop clients at the
+    same concurrency and output length, rounds replayed from `cfg.traces` (recorded with this drafter)."""
+    from ..engine.profiling import load_or_profile, profile_key
+    from ..scheduling.simulator import ClosedLoop, simulate
+    from ..scheduling.traces import AcceptanceTraces
+
+    traces = AcceptanceTraces.load(cfg.traces)
+    if traces.gamma != cfg.gamma:
+        raise ValueError(f"{cfg.traces} was recorded at γ = {traces.gamma}, the benchmark runs γ = {cfg.gamma}")
+    profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id), drafter=drafter)
+    for cell in cells:
+        policy = build_policy(cell["policy"], drafter, cfg.model, cfg.dtype, loaded.model, cfg.gamma)
+        r = simulate(profile, traces, policy, ClosedLoop(cell["concurrency"], cfg.max_new_tokens), seed=0)
+        cell.update(sim_throughput_tok_s=r.throughput_tps, sim_per_user_tok_s=r.per_user_tps,
+                    sim_mean_budget=r.mean_budget, sim_tau=r.tau)
 
 
 def plot(cells: list[dict], out: Path) -> None:

@@ -49,6 +49,11 @@ class Drafter(ABC):
             raise DrafterError(f"block size gamma must be >= 1, got {gamma}")
         self.gamma = gamma
 
+    @property
+    def profile_id(self) -> str:
+        """What distinguishes this drafter's cost in a cached speed profile (name and block size by default)."""
+        return f"{self.name}-g{self.gamma}"
+
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         """Draft up to γ tokens for every request."""

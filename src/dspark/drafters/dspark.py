@@ -48,6 +48,12 @@ class DSparkDrafter(BatchFirstDrafter):
         self.has_confidence = model.confidence is not None
         self.name = model.arch.drafter_type
 
+    @property
+    def profile_id(self) -> str:
+        a = self.model.arch
+        return (f"{a.drafter_type}-g{self.gamma}-L{a.num_layers}-{a.head}{a.rank}-v{self.model.draft_vocab_size}"
+                f"{'-conf' if a.confidence else ''}")
+
     # ------------------------------------------------------------------------------------------------
     def context(self, request: DraftRequest) -> DraftContext:
         ctx = request.state.get(STATE_KEY)

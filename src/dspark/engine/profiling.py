@@ -15,6 +15,7 @@ from ..scheduling.profile import ProfileKey, SpeedProfile, current_machine, meas
 from ..scheduling.profile_io import load_or_measure
 
 PROFILE_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+PROFILE_REQUESTS = (1, 2, 4, 8, 16, 32)  # drafting cost: one propose() for R requests
 CONTEXT = 256
 TOKENS_PER_REQUEST = 4  # a typical steady-state request verifies its anchor plus a few drafts
 
@@ -43,6 +44,29 @@ def target_step_fn(model: Transformer):
     return step
 
 
+def drafter_step_fn(model: Transformer, drafter):
+    """draft_fn(R): one propose() for R requests with warm 256-token contexts (prefilled and observed once; a
+    proposal commits nothing, so every call drafts from the same state)."""
+    from ..decoding import SamplingParams, make_generator
+    from ..drafters.base import DraftRequest
+
+    requests: list = []
+    params = SamplingParams(temperature=1.0)
+
+    def step(r: int) -> None:
+        while len(requests) < r:
+            ids = (torch.arange(CONTEXT) * 31 + 7 * len(requests)) % model.config.vocab_size
+            out = model.forward(ids, [Segment(model.new_cache(CONTEXT + 8), 0, CONTEXT)], logit_rows=ids[:1] * 0,
+                                hidden_layers=drafter.needs_layers)
+            req = DraftRequest(tokens=ids.tolist() + [int(ids[-1])], params=params,
+                               generator=make_generator(len(requests)))
+            drafter.observe(req, out.hidden, CONTEXT)
+            requests.append(req)
+        drafter.propose(requests[:r])
+
+    return step
+
+
 def profile_key(model_id: str, dtype: str, drafter_id: str = "none") -> ProfileKey:
     return ProfileKey(model_id=model_id, drafter_id=drafter_id, machine=current_machine(), dtype=dtype)
 
@@ -52,10 +76,15 @@ def profile_path(key: ProfileKey) -> Path:
     return cache_root() / "profiles" / f"{safe}.json"
 
 
-def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 5, force: bool = False) -> SpeedProfile:
-    """The cached profile for this key, or a fresh measurement (a mismatched cache warns and re-profiles)."""
+def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 5, force: bool = False,
+                    drafter=None) -> SpeedProfile:
+    """The cached profile for this key, or a fresh measurement (a mismatched cache warns and re-profiles).
+    With a drafter, its drafting cost against the number of requests is measured too (key it by
+    `drafter.profile_id`)."""
     def measure() -> SpeedProfile:
-        return measure_profile(target_step_fn(model), PROFILE_TOKENS, repeats=repeats, key=key)
+        extra = {} if drafter is None else {"draft_fn": drafter_step_fn(model, drafter),
+                                            "request_counts": PROFILE_REQUESTS}
+        return measure_profile(target_step_fn(model), PROFILE_TOKENS, repeats=repeats, key=key, **extra)
 
     path = profile_path(key)
     if force and path.exists():
