@@ -112,27 +112,32 @@ class Transformer:
 
     # ----------------------------------------------------------------------------------------------
     def _layer(self, index: int, w: LayerWeights, x: torch.Tensor, rope, segments) -> torch.Tensor:
+        # In-place where the tensor is ours alone (fewer allocations: per-op overhead dominates at small N);
+        # the layer's input x may be a captured hidden state, so the first residual add makes a new tensor.
         eps = self.config.rms_eps
         h = self._attention(index, w, rms_norm(x, w.attn_norm, eps), rope, segments)
         if w.post_attn_norm is not None:
             h = rms_norm(h, w.post_attn_norm, eps)
         x = x + h
         gate, up = w.gate_up(rms_norm(x, w.ffn_norm, eps)).chunk(2, dim=-1)
-        h = w.down(self.act(gate) * up)
+        h = w.down(self.act(gate).mul_(up))
         if w.post_ffn_norm is not None:
             h = rms_norm(h, w.post_ffn_norm, eps)
-        return x + h
+        return x.add_(h)
 
     def _attention(self, index: int, w: LayerWeights, x: torch.Tensor, rope, segments) -> torch.Tensor:
         c = self.config
         n, hd = x.shape[0], c.head_dim
-        qkv = w.qkv(x)
-        q, k, v = qkv.split([c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], dim=-1)
-        q, k, v = q.view(n, c.num_heads, hd), k.view(n, c.num_kv_heads, hd), v.view(n, c.num_kv_heads, hd)
-        if w.q_norm is not None:
-            q, k = rms_norm(q, w.q_norm, c.rms_eps), rms_norm(k, w.k_norm, c.rms_eps)
+        qkv = w.qkv(x).view(n, c.num_heads + 2 * c.num_kv_heads, hd)
+        heads = c.num_heads + c.num_kv_heads
+        v = qkv[:, heads:]
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if w.q_norm is None:  # q and k are adjacent heads: one rotary pass over both
+            qk = apply_rotary(qkv[:, :heads], cos, sin)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
+        else:
+            q = apply_rotary(rms_norm(qkv[:, :c.num_heads], w.q_norm, c.rms_eps), cos, sin)
+            k = apply_rotary(rms_norm(qkv[:, c.num_heads:heads], w.k_norm, c.rms_eps), cos, sin)
         window = c.sliding_window if c.is_sliding(index) else None
         out = torch.empty(n, c.num_heads, hd, dtype=x.dtype, device=x.device)  # [N, H, hd]
         offset = 0
