@@ -28,7 +28,8 @@ train dspark 1 &
 train dflash 1 --set drafter.type=dflash &
 wait
 train eagle3 2 --set drafter.type=eagle3
-"$DSPARK" bench acceptance --drafters runs/table1-dspark/drafter,runs/table1-dflash/drafter,runs/table1-eagle3/drafter \
+# `dspark` (the shipped drafter: full vocabulary, 421 steps of online training) is evaluated on the same prompts.
+"$DSPARK" bench acceptance --drafters runs/table1-dspark/drafter,runs/table1-dflash/drafter,runs/table1-eagle3/drafter,dspark \
   --limit "$LIMIT" --max-new-tokens "$TOKENS" --temperatures 1.0 --batch 24 --speed-prompts 0 --head-latency --out "$OUT"
 for name in dspark dflash eagle3; do
   .venv/bin/python -c "from dspark.training.train_log import plot_log as p; p('runs/table1-$name/train_log.csv', '$OUT/train_$name.png')" || true

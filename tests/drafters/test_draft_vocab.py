@@ -161,3 +161,12 @@ def test_drafting_cost_profile_and_profile_ids():
     assert prof.draft_requests == (1, 3) and all(s > 0 for s in prof.draft_seconds)
     full = vocab_drafter(target, list(range(0, 96, 2)), kind="dflash")
     assert sub.profile_id == "dspark-g4-L1-markov6-v48-conf" and full.profile_id.startswith("dflash-g4-L1-none0-v48")
+
+
+def test_saved_drafter_files_are_readable_by_others(tmp_path):
+    """safetensors and mkstemp create owner-only files; a drafter directory is shared data (0644)."""
+    target = tiny_target(seed=4)
+    drafter = vocab_drafter(target, list(range(0, 96, 2)))
+    out = save_drafter(tmp_path / "d", drafter.model, target, target_name="tiny")
+    for name in ("model.safetensors", "config.json"):
+        assert (out / name).stat().st_mode & 0o777 == 0o644, name

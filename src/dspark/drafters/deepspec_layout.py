@@ -268,6 +268,7 @@ def export_deepspec(drafter, out_dir, target, *, dtype: torch.dtype | None = Non
         # clone: split pieces share their parent's storage, and a tied target's embedding is its LM head
         save_file({k: v.detach().to("cpu", dtype).clone(memory_format=torch.contiguous_format)
                    for k, v in tensors.items()}, str(tmp / WEIGHTS))
+        (tmp / WEIGHTS).chmod(0o644)  # safetensors writes owner-only files
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if source is not None and (source / CALIBRATION).is_file():
             shutil.copy2(source / CALIBRATION, tmp / CALIBRATION)

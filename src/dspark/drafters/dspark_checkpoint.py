@@ -71,6 +71,7 @@ def save_drafter(out_dir: str | os.PathLike, model: DSparkModel, target: Transfo
         tensors = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
                    for k, v in model.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS))
+        (tmp / WEIGHTS).chmod(0o644)  # safetensors writes owner-only files; weights are ordinary files
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         old = out.with_name(f".{out.name}.old")
         if out.exists():

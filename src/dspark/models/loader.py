@@ -136,6 +136,7 @@ def convert_gguf(path: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:
         save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "model.safetensors").chmod(0o644)  # safetensors writes owner-only files
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         if not tokenizer.chat_template and gguf_chat_template(reader):

@@ -31,6 +31,7 @@ def write_json_atomic(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; the result is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         # Never leave temp files behind, whatever went wrong (including KeyboardInterrupt).

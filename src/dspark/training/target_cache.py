@@ -58,6 +58,7 @@ def _save_shard(path: Path, seqs: list[torch.Tensor], masks: list[torch.Tensor],
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         save_file(tensors, str(tmp))
+        tmp.chmod(0o644)  # safetensors writes owner-only files; a cache is shared data
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
