@@ -20,13 +20,7 @@ from dspark_testlib import speculative, tiny_target
 from test_dspark_exactness import (FIRST, PROMPT, V, _engine_run, assert_first_tokens_match_target,
                                    assert_seeded_engine_reproducible, plain_greedy)
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def vocab_drafter(target, ids, *, kind="dspark", block=4, head_scale=None, seed=1):

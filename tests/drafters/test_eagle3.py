@@ -21,14 +21,7 @@ from test_dspark_exactness import (FIRST, PROMPT, V, _engine_run, assert_first_t
 sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
 from tiny_target import make_target_dir, random_dataset  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead (hugely so on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def tiny_eagle3(target, steps: int = 4, seed: int = 1, gamma: int | None = None, noise: float = 0.0,
