@@ -164,3 +164,22 @@ def test_saved_drafter_files_are_readable_by_others(tmp_path):
     out = save_drafter(tmp_path / "d", drafter.model, target, target_name="tiny")
     for name in ("model.safetensors", "config.json"):
         assert (out / name).stat().st_mode & 0o777 == 0o644, name
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_inference_head_matches_the_training_head(packed):
+    """The drafters' inference head (the target's kernel, pre-packed on CPU) against the plain product of
+    DraftVocabMixin.base_logits that training uses."""
+    from dspark.drafters.frozen_target import inference_head
+    from dspark.models.layers import Projection
+
+    target = tiny_target(seed=4)
+    target.lm_head = Projection(target.lm_head.weight, packed=packed)
+    for ids in (None, list(range(0, 96, 3))):
+        drafter = vocab_drafter(target, ids) if ids else vocab_drafter(target, list(range(0, 96, 2)))
+        model = drafter.model
+        if ids is None:  # the full vocabulary: the target's own head
+            model = DSparkModel(DrafterArch(drafter_type="dflash", layer_ids=(0, 1), head="none", rank=0,
+                                            confidence=False, mask_token_id=95), target)
+        h = torch.randn(3, 4, target.config.hidden_size)
+        torch.testing.assert_close(inference_head(model, target)(h), model.base_logits(h), rtol=1e-5, atol=1e-5)

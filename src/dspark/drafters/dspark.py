@@ -26,6 +26,7 @@ from .base import BatchFirstDrafter, DraftRequest, DrafterError, Proposal, regis
 from .dspark_checkpoint import load_calibration, load_drafter_model
 from .dspark_context import DraftContext
 from .dspark_model import DSparkModel
+from .frozen_target import inference_head
 
 STATE_KEY = "dspark.context"
 
@@ -47,6 +48,7 @@ class DSparkDrafter(BatchFirstDrafter):
         self.needs_layers = tuple(model.arch.layer_ids)
         self.has_confidence = model.confidence is not None
         self.name = model.arch.drafter_type
+        self._head = inference_head(model, target)
 
     @property
     def profile_id(self) -> str:
@@ -106,10 +108,8 @@ class DSparkDrafter(BatchFirstDrafter):
                               confidences=self._calibrate(conf), confidence_logits=conf)
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h: [R, γ, d] -> [R, γ, Vd]: the target's own (packed, fast) head, or the draft vocabulary's rows."""
-        if self.model.vocab_ids is not None:
-            return self.model.base_logits(h)
-        return self.target.lm_logits(h.reshape(-1, h.shape[-1]).to(self.target.dtype)).view(*h.shape[:2], -1)
+        """h: [R, γ, d] -> [R, γ, Vd]: the target's head, or its draft-vocabulary rows (same kernel)."""
+        return self._head(h)
 
     def _sample_block(self, h: torch.Tensor, base: torch.Tensor, prev: torch.Tensor, requests):
         """Left to right: slot k's logits = U_k + head bias(x_{k−1}), x_{k−1} the token actually drawn.

@@ -22,6 +22,7 @@ from .dspark import DSparkDrafter, _transformer
 from .dspark_checkpoint import load_drafter_model
 from .dspark_context import DraftContext
 from .eagle3_model import Eagle3Model
+from .frozen_target import inference_head
 
 STATE_KEY = "eagle3.state"
 
@@ -50,6 +51,7 @@ class Eagle3Drafter(BatchFirstDrafter):
         super().__init__(model.arch.block_size if gamma is None else gamma)
         self.model, self.target = model.eval(), target
         self.needs_layers = tuple(model.arch.layer_ids)
+        self._head = inference_head(model, target)
 
     def _state(self, request: DraftRequest) -> tuple[_Features, DraftContext]:
         state = request.state.get(STATE_KEY)
@@ -123,10 +125,7 @@ class Eagle3Drafter(BatchFirstDrafter):
         probs = torch.empty(R, gamma, model.draft_vocab_size, dtype=torch.float32)
 
         def emit(j: int, h: torch.Tensor) -> torch.Tensor:
-            if model.vocab_ids is None:
-                logits = self.target.lm_logits(h[:, 0].to(self.target.dtype))  # [R, V] fp32
-            else:
-                logits = model.base_logits(h[:, 0])  # [R, Vd] fp32
+            logits = self._head(h[:, 0])  # [R, Vd] fp32
             probs[:, j] = DSparkDrafter._process(logits, requests)
             # Invariant 1: the token is drawn from exactly the fp32 vector handed to verification.
             tokens[:, j] = model.to_full(sample_from(probs[:, j], DSparkDrafter._uniforms(requests)))

@@ -117,3 +117,22 @@ class DraftVocabMixin:
     def embed_block(self, block_ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(block_ids, self.frozen.embed).to(self.fuse.weight.dtype)
         return x * self.frozen.embed_scale if self.frozen.embed_scale is not None else x
+
+
+def inference_head(model: DraftVocabMixin, target):
+    """The drafter's LM head for inference: h [..., d] -> fp32 logits [..., Vd]. Without a draft vocabulary it is
+    the target's own head; with one, the draft rows through the same kernel as the target's head (pre-packed
+    oneDNN on CPU: plain fp32 `linear` on a few rows is 2-3x slower there, see models/layers.py)."""
+    from ..models.layers import Projection
+
+    if model.vocab_ids is None:
+        return lambda h: target.lm_logits(h.reshape(-1, h.shape[-1]).to(target.dtype)).view(*h.shape[:-1], -1)
+    rows = target.lm_head.weight[model.vocab_ids.to(target.device)].contiguous()  # [Vd, d] in the target's dtype
+    head = Projection(rows, packed=target.lm_head.packed is not None)
+    cap = target.config.final_logit_softcap
+
+    def logits(h: torch.Tensor) -> torch.Tensor:
+        out = head(h.reshape(-1, h.shape[-1]).to(target.dtype)).float().view(*h.shape[:-1], -1)
+        return torch.tanh(out / cap) * cap if cap else out
+
+    return logits
