@@ -47,7 +47,7 @@ cat "$WORK"/data-*/data.jsonl > "$WORK/train.jsonl"
 train() {  # name, config, extra --set arguments...
   local name=$1 config=$2; shift 2
   $PY -m dspark.training train --config "$config" --no-progress \
-    --set target.name="$GGUF" --set target.device="$DEVICE" --set data.dataset="$WORK/train.jsonl" \
+    --set target.name="$GGUF" --set target.device="$DEVICE" --set data.dataset="$WORK/train.jsonl" --set data.cache= \
     --set run.out_dir="$WORK/$name" --set run.max_time_s="$TRAIN_S" --set run.threads="$THREADS" \
     --set optim.max_steps="$STEPS" --set optim.batch_seqs="$BATCH_SEQS" --set optim.loss_chunk_blocks=256 \
     --set run.log_every=10 --set run.ckpt_every=100000 --set run.export_on_stop=true "$@" \
@@ -57,7 +57,7 @@ train() {  # name, config, extra --set arguments...
 log "train"
 train dspark configs/smollm2-dspark.toml --set drafter.num_layers=2 &
 train dflash configs/smollm2-dspark.toml --set drafter.type=dflash --set drafter.num_layers=2 &
-train eagle3 configs/smollm2-eagle3.toml &
+train eagle3 configs/smollm2-dspark.toml --set drafter.type=eagle3 &
 wait
 
 log "pack"

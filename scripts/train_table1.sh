@@ -3,8 +3,7 @@
 # `dspark bench acceptance` over the three. 2-core CPU: DSpark and DFlash train side by side on one thread
 # each, then Eagle3 on both. Every run resumes from its last checkpoint when the script is rerun.
 #
-#   prerequisites: data/smollm2-gen (dspark datagen, see configs/smollm2-dspark.toml) and data/smollm2-cache:
-#   dspark cache build --data data/smollm2-gen --out data/smollm2-cache --layers 1,8,14,20,27 --max-seq-len 768
+#   prerequisites: data/smollm2-gen and data/smollm2-cache (the commands in configs/smollm2-dspark.toml).
 #
 # Environment: STEPS (default 400), LIMIT prompts per set (15), TOKENS new tokens per prompt (64), OUT.
 set -euo pipefail
@@ -14,7 +13,7 @@ STEPS=${STEPS:-400}
 LIMIT=${LIMIT:-15}
 TOKENS=${TOKENS:-64}
 OUT=${OUT:-results/table1}
-CFG=configs/smollm2-table1.toml
+CFG=configs/smollm2-dspark.toml
 
 train() {  # name threads [--set ...]
   local name=$1 threads=$2
