@@ -112,7 +112,9 @@ def test_head_latency_restores_the_heads(tiny):
     lat = head_latency(loaded, drafter, prompt_ids(loaded.tokenizer, "count to 3", True), repeats=3)
     assert drafter.model.head is head and lat["propose_ms"] > 0 and lat["verify_forward_ms"] > 0
     assert lat["lm_head_ms"] > 0 and lat["round_ms"] == lat["propose_ms"] + lat["verify_forward_ms"]
-    assert head_latency(loaded, make_drafter(str(paths["dflash"]), target=loaded.model), [3, 4, 5]) is None
+    plain = head_latency(loaded, make_drafter(str(paths["dflash"]), target=loaded.model), [3, 4, 5], repeats=3)
+    assert plain["head_ms"] == 0 and plain["round_ms"] == plain["propose_ms"] + plain["verify_forward_ms"]
+    assert head_latency(loaded, make_drafter("ngram", target=loaded.model), [3, 4, 5]) is None  # model-free
 
 
 def test_bench_serve_simulates_the_measured_cells(tiny, tmp_path, monkeypatch):

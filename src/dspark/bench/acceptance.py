@@ -117,8 +117,9 @@ def head_latency(loaded, drafter, ids: list[int], repeats: int = 20) -> dict | N
     from ..models import Segment
 
     model = getattr(drafter, "model", None)
-    if model is None or getattr(model, "head", None) is None:
-        return None
+    if model is None:
+        return None  # model-free drafters (n-gram): nothing to split
+    has_heads = getattr(model, "head", None) is not None
     cache = loaded.model.new_cache()
     out = loaded.model.forward(torch.tensor(ids), [Segment(cache, 0, len(ids))], logit_rows=torch.tensor([len(ids) - 1]),
                                hidden_layers=drafter.needs_layers)
@@ -136,17 +137,21 @@ def head_latency(loaded, drafter, ids: list[int], repeats: int = 20) -> dict | N
         return median(times) * 1000
 
     with_head = timed(lambda: drafter.propose([request]))
-    head, conf = model.head, model.confidence
-    model.head = model.confidence = None
-    try:
-        without = timed(lambda: drafter.propose([request]))
-    finally:
-        model.head, model.confidence = head, conf
+    without = with_head
+    if has_heads:
+        head, conf = model.head, model.confidence
+        model.head = model.confidence = None
+        try:
+            without = timed(lambda: drafter.propose([request]))
+        finally:
+            model.head, model.confidence = head, conf
     block = [request.tokens[-1]] * (drafter.gamma + 1)
     verify = timed(lambda: (cache.truncate(len(ids)), loaded.model.forward(
         torch.tensor(block), [Segment(cache, len(ids), len(block))], hidden_layers=drafter.needs_layers)))
     rows = torch.randn(1, drafter.gamma, loaded.model.config.hidden_size)
-    lm_head = timed(lambda: drafter.base_logits(rows))  # the drafter's LM head (its draft vocabulary, if any)
+    # The drafter's LM head (its draft vocabulary, if any) on γ rows: one call for a parallel drafter, the sum
+    # of γ single-row calls for a chain (Eagle3) is about the same.
+    lm_head = timed(lambda: drafter.draft_logits(rows))
     round_ms = with_head + verify
     return {"propose_ms": with_head, "propose_without_heads_ms": without, "verify_forward_ms": verify,
             "head_ms": with_head - without, "head_share_of_round": (with_head - without) / round_ms,
@@ -169,6 +174,10 @@ def _tables(cfg: AcceptanceConfig, rows: list[dict]) -> str:
             [[r["drafter"], *["-" if c is None else c for c in r["conditional_acceptance"]]] for r in these])]
         lat = [r for r in these if r.get("head_latency")]
         if lat:
+            md += ["\nRound cost at batch 1 (median ms; per token = round / micro τ of this run):\n", markdown_table(
+                ["drafter", "propose", "verify forward (γ+1)", "round", "ms per token"],
+                [[r["drafter"], r["head_latency"]["propose_ms"], r["head_latency"]["verify_forward_ms"],
+                  r["head_latency"]["round_ms"], r["head_latency"]["round_ms"] / r["micro_tau"]] for r in lat])]
             md += ["\nSequential head latency at batch 1 (median ms):\n", markdown_table(
                 ["drafter", "propose", "of which LM head", "backbone + sampling", "Markov + confidence heads",
                  "verify forward (γ+1)", "head % of round"],

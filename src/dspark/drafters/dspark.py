@@ -48,7 +48,7 @@ class DSparkDrafter(BatchFirstDrafter):
         self.needs_layers = tuple(model.arch.layer_ids)
         self.has_confidence = model.confidence is not None
         self.name = model.arch.drafter_type
-        self._head = inference_head(model, target)
+        self.draft_logits = inference_head(model, target)  # h [..., d] -> fp32 logits [..., Vd]
 
     @property
     def profile_id(self) -> str:
@@ -103,13 +103,9 @@ class DSparkDrafter(BatchFirstDrafter):
         block_ids[:, 0, 0] = anchor_ids
         ctx_kv, visible = DraftContext.batch(ctxs, anchors)  # per layer [R, T, kvH, hd]; [R, 1, T]
         h = self.model.backbone(block_ids, anchors[:, None], ctx_kv, visible)[:, 0, : self.gamma]  # [R, γ, d]
-        tokens, probs, conf = self._sample_block(h, self.base_logits(h), anchor_ids, requests)
+        tokens, probs, conf = self._sample_block(h, self.draft_logits(h), anchor_ids, requests)
         return DSparkProposal(tokens=tokens, num_tokens=torch.full((R,), self.gamma), probs=probs,
                               confidences=self._calibrate(conf), confidence_logits=conf)
-
-    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h: [R, γ, d] -> [R, γ, Vd]: the target's head, or its draft-vocabulary rows (same kernel)."""
-        return self._head(h)
 
     def _sample_block(self, h: torch.Tensor, base: torch.Tensor, prev: torch.Tensor, requests):
         """Left to right: slot k's logits = U_k + head bias(x_{k−1}), x_{k−1} the token actually drawn.

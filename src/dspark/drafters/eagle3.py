@@ -51,7 +51,7 @@ class Eagle3Drafter(BatchFirstDrafter):
         super().__init__(model.arch.block_size if gamma is None else gamma)
         self.model, self.target = model.eval(), target
         self.needs_layers = tuple(model.arch.layer_ids)
-        self._head = inference_head(model, target)
+        self.draft_logits = inference_head(model, target)  # h [..., d] -> fp32 logits [..., Vd]
 
     def _state(self, request: DraftRequest) -> tuple[_Features, DraftContext]:
         state = request.state.get(STATE_KEY)
@@ -125,7 +125,7 @@ class Eagle3Drafter(BatchFirstDrafter):
         probs = torch.empty(R, gamma, model.draft_vocab_size, dtype=torch.float32)
 
         def emit(j: int, h: torch.Tensor) -> torch.Tensor:
-            logits = self._head(h[:, 0])  # [R, Vd] fp32
+            logits = self.draft_logits(h[:, 0])  # [R, Vd] fp32
             probs[:, j] = DSparkDrafter._process(logits, requests)
             # Invariant 1: the token is drawn from exactly the fp32 vector handed to verification.
             tokens[:, j] = model.to_full(sample_from(probs[:, j], DSparkDrafter._uniforms(requests)))
