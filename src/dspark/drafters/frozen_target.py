@@ -127,7 +127,10 @@ def inference_head(model: DraftVocabMixin, target):
 
     if model.vocab_ids is None:
         return lambda h: target.lm_logits(h.reshape(-1, h.shape[-1]).to(target.dtype)).view(*h.shape[:-1], -1)
-    rows = target.lm_head.weight[model.vocab_ids.to(target.device)].contiguous()  # [Vd, d] in the target's dtype
+    rows = model.frozen.draft_head  # [Vd, d], gathered once at load (training's head_dtype may differ)
+    if rows.dtype != target.dtype:
+        rows = target.lm_head.weight[model.vocab_ids.to(target.device)]
+    rows = rows.contiguous()
     head = Projection(rows, packed=target.lm_head.packed is not None)
     cap = target.config.final_logit_softcap
 
