@@ -139,6 +139,9 @@ class Transformer:
             q = apply_rotary(rms_norm(qkv[:, :c.num_heads], w.q_norm, c.rms_eps), cos, sin)
             k = apply_rotary(rms_norm(qkv[:, c.num_heads:heads], w.k_norm, c.rms_eps), cos, sin)
         window = c.sliding_window if c.is_sliding(index) else None
+        if len(segments) == 1:  # decoding one request: no gather buffer, no copies (per-op cost dominates)
+            out = self._segment_attention(index, q, k, v, segments[0], window)
+            return w.o(out.reshape(n, c.num_heads * hd))
         out = torch.empty(n, c.num_heads, hd, dtype=x.dtype, device=x.device)  # [N, H, hd]
         offset = 0
         for s in segments:
