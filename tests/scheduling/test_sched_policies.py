@@ -276,3 +276,27 @@ def test_async_policy_skips_the_drafter_when_capacity_is_zero():
     assert pol.prepare(4) is False and pol.last_capacity == 0
     assert pol.select(None, n_requests=4).tolist() == [0, 0, 0, 0]  # no confidences needed this step
     assert pol.prepare(4) is False  # history is unchanged by skipped steps
+
+
+def test_async_policy_probes_after_skipped_steps_and_recovers():
+    # Drafting costs as much as a step: K = 0 for weak confidences, K > 0 for near-certain ones.
+    prof = SpeedProfile((1, 2, 8), (1.0, 1.0, 1.0), (1, 100), (0.5, 0.5))
+    pol = AsyncPolicy(prof, probe_every=3)
+    weak, strong = np.full((1, 3), 0.1), np.full((1, 3), 0.99)
+    for _ in range(2):  # history: weak confidences
+        assert pol.prepare(1) is True
+        pol.select(weak)
+    for _ in range(3):  # K = 0 from the weak steps: skipped
+        assert pol.prepare(1) is False and pol.last_capacity == 0
+        pol.select(None, n_requests=1)
+    assert pol.prepare(1) is True and pol.last_capacity is None  # the probe: Algorithm 1 on its own confidences
+    assert np.array_equal(pol.select(strong), sync_prefix_schedule(strong, prof))
+    assert pol.prepare(1) is False  # one step later the probe is not yet old enough: still the weak history
+    pol.select(None, n_requests=1)
+    assert pol.prepare(1) is True and pol.last_capacity == 3  # two steps later: K from the probe
+    assert pol.select(strong).tolist() == [3]
+
+
+def test_async_policy_rejects_bad_probe_interval():
+    with pytest.raises(ValueError, match="probe_every"):
+        AsyncPolicy(lambda b: 1.0, probe_every=0)

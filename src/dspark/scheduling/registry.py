@@ -115,13 +115,20 @@ class ThresholdPolicy:
 
 
 class AsyncPolicy:
-    """Asynchronous scheduler: K from the confidences of ``lag`` drafted steps ago, then top-K of the current ones.
+    """Asynchronous scheduler: K from the confidences of a step at least ``lag`` steps old, then top-K of the
+    current ones.
 
     A production engine computes K for step t while step t-1 runs, from the last confidences it has, which are
     step t-2's — hence lag 2. Call ``prepare(R)`` before drafting: it computes K and returns False when K = 0,
-    i.e. the drafter can be skipped this step (see ``async_capacity``); steps without drafting add nothing to
-    the history, so K then keeps coming from the last drafted steps — still lossless, since they are old.
-    For the first ``lag`` steps there is no history; rather than use the current confidences for K (that would
+    i.e. the drafter can be skipped this step (see ``async_capacity``).
+
+    Skipped steps produce no confidences, so without care one unlucky K = 0 would hold forever (the history
+    would never change again) even after the load falls or the text turns easy. Hence probes: after
+    ``probe_every`` skipped steps in a row the drafter runs anyway, and that step verifies by Algorithm 1 on its
+    own confidences; two steps later its confidences set K. A probe costs one drafting pass per
+    ``probe_every + 1`` steps (≈ 2 % of throughput at the default 8 with drafting at 20 % of a step).
+    Whether a step probes depends only on the count of skipped steps, never on tokens, so it stays lossless.
+    For the first steps there is no old enough history; rather than use the current confidences for K (that would
     make K depend on the current tokens and break losslessness), we fall back to Algorithm 1 with early stop,
     which is lossless on its own.
     """
@@ -130,25 +137,32 @@ class AsyncPolicy:
     drafts = True
     name = "async"
 
-    def __init__(self, sps: SPS, lag: int = 2):
+    def __init__(self, sps: SPS, lag: int = 2, probe_every: int = 8):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
-        self.sps, self.lag = sps, lag
-        self._history: deque[np.ndarray] = deque(maxlen=lag)
-        self._planned = False
-        self.last_capacity: int | None = None  # K of the current/last step (None: Algorithm 1 fallback)
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        self.sps, self.lag, self.probe_every = sps, lag, probe_every
+        self.reset()
 
     def reset(self) -> None:
-        self._history.clear()
+        self._history: deque[tuple[int, np.ndarray]] = deque(maxlen=self.lag + 1)  # (step, confidences)
+        self._step = 0  # index of the step being planned
+        self._skipped = 0  # drafter-skipped steps in a row
         self._planned = False
-        self.last_capacity = None
+        self.last_capacity: int | None = None  # K of the current/last step (None: Algorithm 1)
+
+    def _old_confidences(self) -> np.ndarray | None:
+        """The newest confidences from a step at least ``lag`` steps before the current one."""
+        old = [c for step, c in self._history if step <= self._step - self.lag]
+        return old[-1] if old else None
 
     def prepare(self, n_requests: int) -> bool:
         """Fix K for the coming step (before drafting); returns whether the drafter should run."""
-        if len(self._history) < self.lag:
-            self.last_capacity = None
-        else:
-            self.last_capacity = async_capacity(self._history[0], self.sps, n_requests=n_requests)
+        c_old = self._old_confidences()
+        self.last_capacity = None if c_old is None else async_capacity(c_old, self.sps, n_requests=n_requests)
+        if self.last_capacity == 0 and self._skipped >= self.probe_every:
+            self.last_capacity = None  # a probe: draft, verify by Algorithm 1, refresh the history
         self._planned = True
         return self.last_capacity != 0
 
@@ -159,10 +173,13 @@ class AsyncPolicy:
         if not self._planned:  # engines that never call prepare() still get the lossless behaviour
             self.prepare(int(n_req))
         self._planned = False
+        step, self._step = self._step, self._step + 1
         if self.last_capacity == 0 and c is None:  # drafter skipped: plain decoding this step
+            self._skipped += 1
             return np.zeros(int(n_req), dtype=np.int64)
+        self._skipped = 0
         c = _need_conf(self.name, c)
-        self._history.append(c.copy())  # copy: the caller may reuse its buffer next step
+        self._history.append((step, c.copy()))  # copy: the caller may reuse its buffer next step
         if self.last_capacity is None:
             return sync_prefix_schedule(c, self.sps)
         return async_schedule(c, self.last_capacity)
