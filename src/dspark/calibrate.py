@@ -54,8 +54,12 @@ def rollouts(loaded, drafter, texts: list[str], cfg: CalibrateConfig):
     reqs = [engine.add_request(prompt_ids(loaded.tokenizer, t, True),
                                SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                               seed=cfg.seed + i)) for i, t in enumerate(texts)]
-    while any(not r.finished for r in reqs):
-        engine.step()
+    from tqdm import tqdm  # a dependency of transformers
+
+    with tqdm(total=len(reqs), unit="req", desc="calibration rollouts", dynamic_ncols=True) as bar:
+        while any(not r.finished for r in reqs):
+            engine.step()
+            bar.update(sum(r.finished for r in reqs) - bar.n)
     out = []
     for r in reqs:
         full = [(c, a) for c, v, a in zip(r.confidence_hist, r.verified_hist, r.accepted_hist) if v == gamma]
