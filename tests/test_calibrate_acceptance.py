@@ -132,12 +132,15 @@ def test_bench_serve_simulates_the_measured_cells(tiny, tmp_path, monkeypatch):
     cfg = ServeBenchConfig(model=str(root / "target"), drafter=str(paths["dspark"]), gamma=4, max_new_tokens=16,
                            traces=tmp_path / "traces.npz")
     cells = [{"policy": p, "concurrency": c} for p in ("none", "fixed-4", "async") for c in (1, 4)]
-    simulated(cfg, loaded, drafter, cells)
+    simulated(cfg, loaded, drafter, cells, prompt_tokens=0)
     for cell in cells:
         assert cell["sim_throughput_tok_s"] > 0 and cell["sim_tau"] >= 1.0
+    no_prompt = {(c["policy"], c["concurrency"]): c["sim_throughput_tok_s"] for c in cells}
+    simulated(cfg, loaded, drafter, cells, prompt_tokens=64)  # prefill costs time in the shared forward
+    assert all(c["sim_throughput_tok_s"] < no_prompt[c["policy"], c["concurrency"]] for c in cells)
     assert all(c["sim_mean_budget"] == 0 for c in cells if c["policy"] == "none")
     assert all(c["sim_mean_budget"] == 4 for c in cells if c["policy"] == "fixed-4")
     cached = list((tmp_path / "cache" / "profiles").glob("*.json"))
     assert len(cached) == 1 and json.loads(cached[0].read_text())["draft_requests"]  # drafting cost measured
     with pytest.raises(ValueError, match="γ = 4"):
-        simulated(ServeBenchConfig(model=cfg.model, gamma=7, traces=cfg.traces), loaded, drafter, cells)
+        simulated(ServeBenchConfig(model=cfg.model, gamma=7, traces=cfg.traces), loaded, drafter, cells, 0)

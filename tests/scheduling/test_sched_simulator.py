@@ -11,6 +11,7 @@ from dspark.scheduling import (
     ClosedLoop,
     FixedPolicy,
     Poisson,
+    SpeedProfile,
     format_sweep,
     from_rollouts,
     gpu_like_profile,
@@ -106,3 +107,29 @@ def test_command_line_sweep(tmp_path, capsys):
     assert "| async | 4 |" in capsys.readouterr().out
     assert (tmp_path / "o" / "sweep.md").read_text().startswith("profile: user table")
     assert (tmp_path / "o" / "sweep.json").exists()
+
+
+def test_prefill_rides_in_the_step_and_costs_its_tokens():
+    # Step cost 10 ms per token; C = 1, 4 output tokens, 96-token prompts: a cycle is one 0.96 s prefill step
+    # (which also yields the first token) and three 10 ms decoding steps -> 4 tokens per 0.99 s.
+    prof = SpeedProfile((1, 1000), (0.01, 10.0), (1, 2), (1e-3, 1e-3))  # plain decoding never drafts
+    tr = synthetic_traces(n_rounds=50, gamma=3, seed=0)
+    r = simulate(prof, tr, FixedPolicy(0), ClosedLoop(1, output_tokens=4, n_steps=4000, prompt_tokens=96))
+    assert r.throughput_tps == pytest.approx(4 / 0.99, rel=0.01)
+    assert r.tau == 1.0  # prefill steps are not decoding rounds
+    # A 1000-token prompt is prefilled in chunks of 512 and 488 tokens: two steps, 10 s in all.
+    long = simulate(prof, tr, FixedPolicy(0), ClosedLoop(1, output_tokens=4, n_steps=4000, prompt_tokens=1000),
+                    prefill_chunk=512)
+    assert long.throughput_tps == pytest.approx(4 / 10.03, rel=0.01)
+    assert long.mean_batch_tokens == pytest.approx((512 + 488 + 3) / 5, rel=0.01)
+
+
+def test_prefill_lowers_throughput_more_at_high_concurrency():
+    prof = gpu_like_profile()
+    tr = synthetic_traces(n_rounds=200, gamma=7, seed=1)
+    ratio = {}
+    for c in (1, 64):
+        plain = simulate(prof, tr, FixedPolicy(0), ClosedLoop(c, output_tokens=64))
+        with_prompt = simulate(prof, tr, FixedPolicy(0), ClosedLoop(c, output_tokens=64, prompt_tokens=512))
+        ratio[c] = with_prompt.throughput_tps / plain.throughput_tps
+    assert ratio[64] < ratio[1] <= 1.0

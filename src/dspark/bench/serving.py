@@ -87,7 +87,7 @@ def run(cfg: ServeBenchConfig) -> dict:
                   f"{cell['per_user_tok_s']:6.1f} tok/s per user, budget {cell['mean_verify_budget']:.2f}, "
                   f"tau {cell['tau']:.2f}", flush=True)
     if cfg.traces is not None:
-        simulated(cfg, loaded, drafter, cells)
+        simulated(cfg, loaded, drafter, cells, prompt_tokens=round(sum(map(len, prompts)) / len(prompts)))
     data = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
             "machine": machine_info(), "cells": cells}
     sim = cfg.traces is not None
@@ -108,10 +108,11 @@ def run(cfg: ServeBenchConfig) -> dict:
     return data
 
 
-def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict]) -> None:
+def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_tokens: int) -> None:
     """Add the serving simulator's prediction to every measured cell: the same policies (built the same way,
     over the same cached speed profile, with this drafter's measured drafting cost), closed-loop clients at the
-    same concurrency and output length, rounds replayed from `cfg.traces` (recorded with this drafter)."""
+    same concurrency and output length, each new request prefilling `prompt_tokens` (the benchmark prompts'
+    mean) in the shared forward, rounds replayed from `cfg.traces` (recorded with this drafter)."""
     from ..engine.profiling import load_or_profile, profile_key
     from ..scheduling.simulator import ClosedLoop, simulate
     from ..scheduling.traces import AcceptanceTraces
@@ -122,7 +123,8 @@ def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict]) -> None
     profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id), drafter=drafter)
     for cell in cells:
         policy = build_policy(cell["policy"], drafter, cfg.model, cfg.dtype, loaded.model, cfg.gamma)
-        r = simulate(profile, traces, policy, ClosedLoop(cell["concurrency"], cfg.max_new_tokens), seed=0)
+        loop = ClosedLoop(cell["concurrency"], cfg.max_new_tokens, prompt_tokens=prompt_tokens)
+        r = simulate(profile, traces, policy, loop, seed=0, prefill_chunk=EngineConfig().prefill_chunk)
         cell.update(sim_throughput_tok_s=r.throughput_tps, sim_per_user_tok_s=r.per_user_tps,
                     sim_mean_budget=r.mean_budget, sim_tau=r.tau)
 

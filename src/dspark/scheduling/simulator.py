@@ -4,7 +4,9 @@ Each step every running request replays a random recorded round (confidences c [
 policy picks ℓ for all of them at once, request r emits min(n_acc_r, ℓ_r) + 1 tokens, and the clock advances by
 step_s(B = R + sum ℓ) + draft_s(R), the drafting cost being skipped on steps where the policy's ``prepare``
 says the drafter need not run (plain decoding; the async scheduler at K = 0). Requests join and leave between steps,
-with no batch-size cap. Everything is seeded; policies compared with the same seed see the same round draws as
+with no batch-size cap. With ``prompt_tokens`` > 0 a new request first spends steps in prefill: its prompt
+rides in the same forward as the decoding requests (at most ``prefill_chunk`` prompt tokens per step, as the
+engine does), adding to B, and its first token comes out of the step that finishes the prompt. Everything is seeded; policies compared with the same seed see the same round draws as
 long as their batches have the same size, which keeps comparisons between them low-noise.
 
 Reported per run (``SimResult``):
@@ -50,6 +52,7 @@ class ClosedLoop:
     concurrency: int
     output_tokens: int = 256
     n_steps: int = 400
+    prompt_tokens: int = 0  # prefilled by each replacement request (the initial C start mid-decode)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Poisson:
     rate: float
     n_requests: int = 200
     output_tokens: int = 256
+    prompt_tokens: int = 0
 
 
 Arrival = Union[ClosedLoop, Poisson]
@@ -78,12 +82,19 @@ class SimResult:
     completed: int
 
 
-def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: Arrival, *, seed: int = 0) -> SimResult:
+def _prefill_take(prefill: np.ndarray, chunk: int) -> np.ndarray:
+    """Prompt tokens each request prefills this step: in arrival order, ``chunk`` tokens in all. [R] -> [R]"""
+    before = np.cumsum(prefill) - prefill
+    return np.clip(chunk - before, 0, prefill)
+
+
+def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: Arrival, *, seed: int = 0,
+             prefill_chunk: int = 512) -> SimResult:
     """Run one simulation. ``policy`` is a registry policy object (AsyncPolicy is reset first)."""
     if isinstance(policy, AsyncPolicy):
         policy.reset()
     rng = np.random.default_rng(seed)
-    gamma, out_len = traces.gamma, arrival.output_tokens
+    gamma, out_len, prompt = traces.gamma, arrival.output_tokens, arrival.prompt_tokens
     closed = isinstance(arrival, ClosedLoop)
     if closed:
         # Start in steady state: staggered remaining lengths, otherwise all C requests finish in lockstep waves.
@@ -92,6 +103,7 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
     else:
         arrivals = np.cumsum(rng.exponential(1.0 / arrival.rate, size=arrival.n_requests))
         remaining = np.empty(0, dtype=np.int64)
+    prefill = np.zeros(remaining.size, dtype=np.int64)  # prompt tokens still to prefill, per request
     t = float(arrivals[0]) if arrivals.size else 0.0
     t0, next_arrival = t, 0
     tokens = steps = completed = 0
@@ -101,6 +113,7 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
         if not closed:
             n_new = int(np.searchsorted(arrivals, t, side="right")) - next_arrival
             remaining = np.concatenate([remaining, np.full(n_new, out_len, dtype=np.int64)])
+            prefill = np.concatenate([prefill, np.full(n_new, prompt, dtype=np.int64)])
             next_arrival += n_new
             if remaining.size == 0:
                 if next_arrival >= arrivals.size:
@@ -109,32 +122,39 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
                 continue
         elif steps >= arrival.n_steps:
             break
-        n_run = remaining.size
-        # Draw rounds even when the drafter is skipped, so policies run with one seed see the same draws.
-        rounds = rng.integers(len(traces), size=n_run)
-        conf, n_acc = traces.conf[rounds], traces.n_acc[rounds]  # [R, γ], [R]
-        drafted = policy.prepare(n_run)  # decided before drafting, as an engine must
-        shown = conf if (drafted and policy.needs_confidence) else None
-        ell = policy.select(shown, n_requests=n_run, gamma=gamma)
-        emit = np.minimum(n_acc, ell) + 1  # [R]
-        b = n_run + int(ell.sum())
-        dt = float(profile.step_s(b)) + (float(profile.draft_s(n_run)) if drafted else 0.0)
+        decoding = prefill == 0
+        n_dec = int(decoding.sum())
+        take = _prefill_take(np.where(decoding, 0, prefill), prefill_chunk)  # [R]
+        emit = np.zeros(remaining.size, dtype=np.int64)
+        emit[~decoding & (take == prefill)] = 1  # the step that ends a prompt yields its first token
+        b, drafted = n_dec + int(take.sum()), False
+        if n_dec:  # like the engine: no decoding requests, no policy call
+            # Draw rounds even when the drafter is skipped, so policies run with one seed see the same draws.
+            rounds = rng.integers(len(traces), size=n_dec)
+            conf, n_acc = traces.conf[rounds], traces.n_acc[rounds]  # [R_dec, γ], [R_dec]
+            drafted = policy.prepare(n_dec)  # decided before drafting, as an engine must
+            shown = conf if (drafted and policy.needs_confidence) else None
+            ell = policy.select(shown, n_requests=n_dec, gamma=gamma)
+            emit[decoding] = np.minimum(n_acc, ell) + 1
+            b += int(ell.sum())
+            sum_ell += int(ell.sum())
+            sum_emit += int(emit[decoding].sum())
+            request_steps += n_dec
+        dt = float(profile.step_s(b)) + (float(profile.draft_s(n_dec)) if drafted else 0.0)
         t += dt
-        busy += n_run * dt
+        busy += remaining.size * dt
         steps += 1
-        sum_ell += int(ell.sum())
-        sum_emit += int(emit.sum())
-        request_steps += n_run
         sum_b += b
+        prefill = prefill - take
         got = np.minimum(emit, remaining)  # a request stops at its output length mid-round
         tokens += int(got.sum())
         remaining = remaining - got
         done = remaining == 0
         completed += int(done.sum())
         if closed:
-            remaining[done] = out_len
+            remaining[done], prefill[done] = out_len, prompt
         else:
-            remaining = remaining[~done]
+            remaining, prefill = remaining[~done], prefill[~done]
     span = t - t0
     return SimResult(
         policy=getattr(policy, "name", type(policy).__name__),
@@ -164,14 +184,15 @@ def default_policies(profile: SpeedProfile, gamma: int = 7, threshold: float = 0
 
 def sweep(profile: SpeedProfile, traces: AcceptanceTraces, concurrencies: Sequence[int] = (1, 8, 64, 256), *,
           policies: Mapping[str, Callable[[], object]] | None = None, output_tokens: int = 256,
-          n_steps: int = 400, seed: int = 0) -> dict[str, dict[int, SimResult]]:
+          n_steps: int = 400, seed: int = 0, prompt_tokens: int = 0) -> dict[str, dict[int, SimResult]]:
     """Closed-loop simulation of every policy at every concurrency -> results[policy name][C]."""
     policies = policies or default_policies(profile, traces.gamma)
     out: dict[str, dict[int, SimResult]] = {}
     for name, make in policies.items():
         out[name] = {}
         for c in concurrencies:
-            out[name][c] = simulate(profile, traces, make(), ClosedLoop(c, output_tokens, n_steps), seed=seed)
+            loop = ClosedLoop(c, output_tokens, n_steps, prompt_tokens)
+            out[name][c] = simulate(profile, traces, make(), loop, seed=seed)
     return out
 
 
@@ -229,13 +250,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[int, SimResult]]:
     ap.add_argument("--concurrency", default="1,8,64,256", help="comma-separated closed-loop concurrencies")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--output-tokens", type=int, default=256)
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="prompt length each new request prefills")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="directory for sweep.md, sweep.json and sweep.png")
     args = ap.parse_args(argv)
     prof = load_profile_table(args.profile) if args.profile else gpu_like_profile()
     traces = AcceptanceTraces.load(args.traces) if args.traces else synthetic_traces(seed=args.seed)
     cs = tuple(int(c) for c in args.concurrency.split(","))
-    res = sweep(prof, traces, cs, output_tokens=args.output_tokens, n_steps=args.steps, seed=args.seed)
+    res = sweep(prof, traces, cs, output_tokens=args.output_tokens, n_steps=args.steps, seed=args.seed,
+                prompt_tokens=args.prompt_tokens)
     table = format_sweep(res)
     print(table)
     if args.out:
