@@ -297,6 +297,23 @@ def test_async_policy_probes_after_skipped_steps_and_recovers():
     assert pol.select(strong).tolist() == [3]
 
 
+def test_async_policy_backs_off_probing_while_speculation_does_not_pay():
+    prof = SpeedProfile((1, 2, 8), (1.0, 1.0, 1.0), (1, 100), (0.5, 0.5))
+    pol = AsyncPolicy(prof, probe_every=2, max_probe_every=8)
+    weak, drafted = np.full((1, 3), 0.1), []
+    for step in range(60):
+        if pol.prepare(1):
+            drafted.append(step)
+            pol.select(weak)
+        else:
+            pol.select(None, n_requests=1)
+    # steps 0, 1: no history (Algorithm 1); then probes after 2, 4, 8, 8, ... skipped steps
+    assert drafted[:6] == [0, 1, 4, 9, 18, 27]
+    assert np.diff(drafted[4:]).tolist() == [9] * (len(drafted) - 5)
+
+
 def test_async_policy_rejects_bad_probe_interval():
     with pytest.raises(ValueError, match="probe_every"):
         AsyncPolicy(lambda b: 1.0, probe_every=0)
+    with pytest.raises(ValueError, match="probe_every"):
+        AsyncPolicy(lambda b: 1.0, probe_every=16, max_probe_every=8)

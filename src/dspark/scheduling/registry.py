@@ -125,9 +125,10 @@ class AsyncPolicy:
     Skipped steps produce no confidences, so without care one unlucky K = 0 would hold forever (the history
     would never change again) even after the load falls or the text turns easy. Hence probes: after
     ``probe_every`` skipped steps in a row the drafter runs anyway, and that step verifies by Algorithm 1 on its
-    own confidences; two steps later its confidences set K. A probe costs one drafting pass per
-    ``probe_every + 1`` steps (≈ 2 % of throughput at the default 8 with drafting at 20 % of a step).
-    Whether a step probes depends only on the count of skipped steps, never on tokens, so it stays lossless.
+    own confidences; two steps later its confidences set K. Each probe that still yields K = 0 doubles the
+    interval (up to ``max_probe_every``), so a load where speculation never pays costs one drafting pass per
+    ~65 steps (≈ 0.3 % with drafting at 20 % of a step); any K > 0 resets it. Whether a step probes depends
+    only on counts of skipped steps and on old confidences, never on the current tokens, so it stays lossless.
     For the first steps there is no old enough history; rather than use the current confidences for K (that would
     make K depend on the current tokens and break losslessness), we fall back to Algorithm 1 with early stop,
     which is lossless on its own.
@@ -137,18 +138,20 @@ class AsyncPolicy:
     drafts = True
     name = "async"
 
-    def __init__(self, sps: SPS, lag: int = 2, probe_every: int = 8):
+    def __init__(self, sps: SPS, lag: int = 2, probe_every: int = 8, max_probe_every: int = 64):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
-        if probe_every < 1:
-            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
-        self.sps, self.lag, self.probe_every = sps, lag, probe_every
+        if not 1 <= probe_every <= max_probe_every:
+            raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {probe_every}, {max_probe_every}")
+        self.sps, self.lag = sps, lag
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.reset()
 
     def reset(self) -> None:
         self._history: deque[tuple[int, np.ndarray]] = deque(maxlen=self.lag + 1)  # (step, confidences)
         self._step = 0  # index of the step being planned
         self._skipped = 0  # drafter-skipped steps in a row
+        self._interval = self.probe_every  # skipped steps before the next probe
         self._planned = False
         self.last_capacity: int | None = None  # K of the current/last step (None: Algorithm 1)
 
@@ -161,8 +164,11 @@ class AsyncPolicy:
         """Fix K for the coming step (before drafting); returns whether the drafter should run."""
         c_old = self._old_confidences()
         self.last_capacity = None if c_old is None else async_capacity(c_old, self.sps, n_requests=n_requests)
-        if self.last_capacity == 0 and self._skipped >= self.probe_every:
+        if self.last_capacity:
+            self._interval = self.probe_every
+        elif self.last_capacity == 0 and self._skipped >= self._interval:
             self.last_capacity = None  # a probe: draft, verify by Algorithm 1, refresh the history
+            self._interval = min(2 * self._interval, self.max_probe_every)
         self._planned = True
         return self.last_capacity != 0
 
