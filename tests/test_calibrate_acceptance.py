@@ -75,6 +75,17 @@ def test_calibrate_fits_on_half_and_saves_with_the_drafter(tiny, tmp_path):
         assert z["conf"].shape == (summary["fit_rounds"] + summary["heldout_rounds"], 4)
     calibrated = make_drafter(str(drafter_dir), target=loaded.model)
     assert calibrated.calibration is not None and calibrated.calibration.temperatures == tuple(cal["temperatures"])
+    assert calibrated.calibration.shifts == tuple(cal["shifts"])
+    # The raw rollouts are kept: refitting from them (temperatures only this time) runs no model and sees the
+    # same rounds.
+    again = calibrate(CalibrateConfig(drafter=str(drafter_dir), prompts="", out=tmp_path / "refit", shift=False,
+                                      from_rollouts=tmp_path / "report" / "rollouts.npz"))
+    assert (again["fit_rounds"], again["heldout_rounds"]) == (summary["fit_rounds"], summary["heldout_rounds"])
+    assert again["shifts"] == [0.0] * 4 and again["requests"] == 10
+    (tmp_path / "bad.npz").write_bytes(b"not an npz")
+    with pytest.raises(ValueError, match="not a rollouts.npz"):
+        calibrate(CalibrateConfig(drafter=str(drafter_dir), prompts="", out=tmp_path / "x",
+                                  from_rollouts=tmp_path / "bad.npz"))
 
 
 def test_calibrate_refuses_a_drafter_without_confidence_head(tiny, tmp_path):

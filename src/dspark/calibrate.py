@@ -5,7 +5,8 @@ raw confidence logits [γ] and how many drafts the target accepted. Requests are
 one request are correlated, so the split is by request): STS is fitted on one half and every metric — ECE,
 ROC-AUC, Brier per position, before and after — is measured on the other. The temperatures go into the
 drafter's calibration.json, which the drafter then applies; the report (metrics table, reliability diagram,
-static-threshold sweep) and the calibrated acceptance traces (the simulator's input) go to --out.
+static-threshold sweep), the calibrated acceptance traces (the simulator's input) and the raw rollouts
+(rollouts.npz: refit later with --from-rollouts, without running the models) go to --out.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ class CalibrateConfig:
     batch: int = 16
     seed: int = 0
     out: Path = Path("results/calibration")
+    shift: bool = True  # also fit a per-position shift (False: the paper's temperature-only STS)
+    from_rollouts: Path | None = None  # refit from a saved rollouts.npz instead of running the models
 
 
 def read_turns(path: str, skip: int, limit: int) -> list[str]:
@@ -77,10 +80,34 @@ def split_halves(per_request):
     return cat(per_request[0::2]), cat(per_request[1::2])
 
 
-def run(cfg: CalibrateConfig) -> dict:
+ROLLOUTS_VERSION = 1
+
+
+def save_rollouts(path: Path, fit, held, requests: int) -> None:
+    """Raw confidence logits and accepted counts of both halves (written atomically)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, version=ROLLOUTS_VERSION, fit_logits=fit[0], fit_n_acc=fit[1], held_logits=held[0],
+                        held_n_acc=held[1], requests=requests)
+    tmp.replace(path)
+
+
+def load_rollouts(path: Path):
+    """-> (fit_logits, fit_n_acc), (held_logits, held_n_acc), requests; a clear error for anything else."""
+    keys = ("fit_logits", "fit_n_acc", "held_logits", "held_n_acc", "requests")
+    try:
+        with np.load(path) as z:
+            if int(z["version"]) != ROLLOUTS_VERSION:
+                raise ValueError(f"{path}: rollouts version {int(z['version'])}, this build reads {ROLLOUTS_VERSION}")
+            fit_l, fit_n, held_l, held_n, requests = (z[k] for k in keys)
+    except (OSError, KeyError, ValueError, EOFError) as e:
+        raise ValueError(f"{path}: not a rollouts.npz written by `dspark calibrate` (needs {', '.join(keys)}): "
+                         f"{e}") from e
+    return (fit_l, fit_n), (held_l, held_n), int(requests)
+
+
+def _roll_out(cfg: CalibrateConfig):
     from .drafters import make_drafter
-    from .scheduling.calibration_report import metrics_table, write_calibration_report
-    from .scheduling.traces import from_rollouts
 
     loaded = load_model(cfg.model)
     drafter = make_drafter(cfg.drafter, target=loaded.model, calibration=False)
@@ -90,12 +117,24 @@ def run(cfg: CalibrateConfig) -> dict:
     texts = read_turns(cfg.prompts, cfg.skip, cfg.limit)
     if len(texts) < 4:
         raise ValueError(f"{cfg.prompts}: {len(texts)} usable prompts after --skip {cfg.skip}; need at least 4")
+    fit, held = split_halves(rollouts(loaded, drafter, texts, cfg))
+    save_rollouts(cfg.out / "rollouts.npz", fit, held, len(texts))
+    return fit, held, len(texts)
+
+
+def run(cfg: CalibrateConfig) -> dict:
+    from .scheduling.calibration_report import metrics_table, write_calibration_report
+    from .scheduling.traces import from_rollouts
+
     t0 = time.perf_counter()
-    (fit_l, fit_n), (held_l, held_n) = split_halves(rollouts(loaded, drafter, texts, cfg))
+    if cfg.from_rollouts is not None:
+        (fit_l, fit_n), (held_l, held_n), requests = load_rollouts(cfg.from_rollouts)
+    else:
+        (fit_l, fit_n), (held_l, held_n), requests = _roll_out(cfg)
     seconds = time.perf_counter() - t0
     if len(fit_l) == 0 or len(held_l) == 0:
         raise ValueError("the rollouts produced no full-length rounds; use more prompts or --max-new-tokens")
-    fitted = fit_sts(fit_l, fit_n)
+    fitted = fit_sts(fit_l, fit_n, shift=cfg.shift)
     gamma = fit_l.shape[1]
     held = replace(fitted, before=evaluate(Calibration.identity(gamma), held_l, held_n),
                    after=evaluate(fitted, held_l, held_n), n_rounds=len(held_l))
@@ -103,10 +142,12 @@ def run(cfg: CalibrateConfig) -> dict:
     held.save(Path(cfg.drafter) / "calibration.json")  # the drafter applies it from now on
     all_l, all_n = np.concatenate([fit_l, held_l]), np.concatenate([fit_n, held_n])
     from_rollouts(all_l, all_n, fitted).save(cfg.out / "traces.npz")
-    summary = {"drafter": cfg.drafter, "prompts": cfg.prompts, "requests": len(texts),
+    summary = {"drafter": cfg.drafter, "prompts": cfg.prompts, "requests": requests, "shift": cfg.shift,
+               "from_rollouts": None if cfg.from_rollouts is None else str(cfg.from_rollouts),
                "fit_rounds": int(len(fit_l)), "heldout_rounds": int(len(held_l)),
                "temperature": cfg.temperature, "seconds": round(seconds, 1),
                "tau_full_block": float(all_n.mean() + 1), "temperatures": list(fitted.temperatures),
+               "shifts": list(fitted.shifts),
                "max_ece_before": max(m.ece for m in held.before), "max_ece_after": max(m.ece for m in held.after),
                "files": {k: str(v) for k, v in paths.items()}}
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -220,7 +220,8 @@ def add_calibrate(sub) -> None:
                                    "ROC-AUC, Brier per position, reliability diagram, threshold sweep). Writes "
                                    "calibration.json into the drafter directory.")
     p.add_argument("--drafter", required=True, help="trained drafter directory (with a confidence head)")
-    p.add_argument("--prompts", required=True, help="held-out prompt .jsonl (never the drafter's training data)")
+    p.add_argument("--prompts", help="held-out prompt .jsonl (never the drafter's training data); required unless "
+                                     "--from-rollouts")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--limit", type=int, default=200, help="prompts to roll out")
     p.add_argument("--skip", type=int, default=0, help="skip the first N prompts of the file")
@@ -229,15 +230,22 @@ def add_calibrate(sub) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/calibration"))
+    p.add_argument("--no-shift", action="store_true",
+                   help="temperatures only (the paper's STS); by default a per-position shift is fitted too")
+    p.add_argument("--from-rollouts", type=Path,
+                   help="refit from a rollouts.npz saved by an earlier run (no model is run; --prompts unused)")
     p.set_defaults(func=run_calibrate)
 
 
 def run_calibrate(args) -> int:
     from .calibrate import CalibrateConfig, run
 
-    run(CalibrateConfig(drafter=args.drafter, prompts=args.prompts, model=args.model, limit=args.limit,
+    if not args.prompts and args.from_rollouts is None:
+        raise SystemExit("dspark calibrate: --prompts FILE.jsonl is required (or --from-rollouts rollouts.npz)")
+    run(CalibrateConfig(drafter=args.drafter, prompts=args.prompts or "", model=args.model, limit=args.limit,
                         skip=args.skip, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                        batch=args.batch, seed=args.seed, out=args.out))
+                        batch=args.batch, seed=args.seed, out=args.out, shift=not args.no_shift,
+                        from_rollouts=args.from_rollouts))
     return 0
 
 

@@ -96,8 +96,38 @@ def test_apply_numpy_and_torch(fitted):
     ct = cal.apply(torch.tensor(L[:5], dtype=torch.float32))
     assert isinstance(ct, torch.Tensor) and ct.dtype == torch.float32
     np.testing.assert_allclose(ct.numpy(), c, rtol=1e-5)
+    np.testing.assert_allclose(cal.apply(L[:5, :3]), c[:, :3])  # a drafter run below its block size
     with pytest.raises(ValueError, match="block size"):
-        cal.apply(np.zeros((2, 3)))
+        cal.apply(np.zeros((2, 8)))
+
+
+def test_shift_fixes_an_offset_that_temperature_cannot():
+    # An over-confident head: acceptance follows σ(L / T − 0.6), so no temperature alone calibrates slot 1.
+    T, B = np.array([1.2, 0.8, 1.5]), np.array([-0.6, 0.3, -0.4])
+
+    def draw(n, seed):
+        rng = np.random.default_rng(seed)
+        L = rng.normal(0.5, 1.0, size=(n, 3))
+        ok = rng.random(L.shape) < 1.0 / (1.0 + np.exp(-(L / T + B)))
+        return L, np.cumprod(ok, axis=1).sum(axis=1)
+
+    L, n = draw(12_000, seed=2)
+    held_L, held_n = draw(40_000, seed=3)
+    sts, shifted = fit_sts(L, n), fit_sts(L, n, shift=True)
+    assert sts.shifts == (0.0, 0.0, 0.0)  # the default is the paper's temperature-only STS
+    assert evaluate(sts, held_L, held_n)[0].ece > 0.03
+    assert all(m.ece <= 0.015 for m in evaluate(shifted, held_L, held_n))
+    assert abs(shifted.shifts[0] - B[0]) < 0.15 and abs(np.log(shifted.temperatures[0] / T[0])) < 0.15
+
+
+def test_version_1_files_load_without_shifts(tmp_path):
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"format": "dspark.calibration", "version": 1, "temperatures": [1.0, 2.0]}))
+    assert Calibration.load(path).shifts == (0.0, 0.0)
+    cal = Calibration((1.0, 2.0), shifts=(0.5, -0.25))
+    assert Calibration.load(cal.save(path)).shifts == (0.5, -0.25)
+    with pytest.raises(ValueError, match="shifts"):
+        Calibration((1.0, 2.0), shifts=(0.5,))
 
 
 def test_json_round_trip(fitted, tmp_path):
@@ -117,6 +147,8 @@ def test_json_round_trip(fitted, tmp_path):
         (json.dumps({"format": "dspark.calibration", "version": 1}), "temperatures"),
         (json.dumps({"format": "dspark.calibration", "version": 1, "temperatures": [1.0, -2.0]}), "positive"),
         (json.dumps({"format": "dspark.calibration", "version": 99, "temperatures": [1.0]}), "version 99"),
+        (json.dumps({"format": "dspark.calibration", "version": 2, "temperatures": [1.0], "shifts": ["x"]}),
+         "shifts"),
         (json.dumps({"format": "other", "version": 1, "temperatures": [1.0]}), "format"),
         (json.dumps({"format": "dspark.calibration", "version": 1, "temperatures": [1.0, 1.0],
                      "metrics": {"before": [{"ece": 0.1}], "after": []}}), "one entry per position"),

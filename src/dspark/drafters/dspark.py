@@ -154,8 +154,7 @@ class DSparkDrafter(BatchFirstDrafter):
             return None
         if self.calibration is None:
             return logits.sigmoid()
-        temps = torch.tensor(self.calibration.temperatures[: self.gamma], dtype=logits.dtype)
-        return (logits / temps).sigmoid()
+        return self.calibration.apply(logits)  # [R, γ]: the first γ positions when run below the block size
 
 
 def _transformer(target) -> Transformer:

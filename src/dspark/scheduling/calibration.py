@@ -10,6 +10,11 @@ product, which is what the paper's sequential scheme avoids.)
 
 The grid is log-spaced (0.05..20, 81 points) then refined between the best point's neighbours (41 points), since
 ECE is piecewise-constant-ish in T and gradient methods would stall on it.
+
+A temperature rescales a logit but cannot move it: a head that is over-confident by the same margin everywhere
+(e.g. trained on answers sampled at T = 0.7 and calibrated at T = 1) keeps that offset. ``fit_sts(shift=True)``
+also fits a per-position shift b_k, c_k = σ(L_k / T_k + b_k) (Platt scaling, applied sequentially in the same
+way); the default, ``shift=False``, is the paper's STS (all b_k = 0).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from ._jsonio import FileFormatError, check_header, finite_or_none, none_to_nan,
 from .metrics import PositionMetrics, ece_rows
 
 FORMAT = "dspark.calibration"
-VERSION = 1
+VERSION = 2  # 2 added per-position shifts; version-1 files (temperatures only) still load, with b = 0
 COARSE_GRID = np.geomspace(0.05, 20.0, 81)
+SHIFT_GRID = np.linspace(-3.0, 3.0, 61)
 
 
 class CalibrationFormatError(FileFormatError):
@@ -66,12 +72,17 @@ class Calibration:
     after: tuple[PositionMetrics, ...] = ()  # [γ] metrics after STS
     n_bins: int = 15
     n_rounds: int = 0
+    shifts: tuple[float, ...] = ()  # [γ] b_k; () = all zero (the paper's STS)
 
     def __post_init__(self) -> None:
         t = tuple(float(x) for x in self.temperatures)
         if not t or not all(np.isfinite(x) and x > 0 for x in t):
             raise ValueError(f"temperatures must be a non-empty list of finite positive numbers, got {t}")
+        b = tuple(float(x) for x in self.shifts) or (0.0,) * len(t)
+        if len(b) != len(t) or not all(np.isfinite(x) for x in b):
+            raise ValueError(f"shifts must be {len(t)} finite numbers (one per temperature), got {b}")
         object.__setattr__(self, "temperatures", t)
+        object.__setattr__(self, "shifts", b)
 
     @property
     def gamma(self) -> int:
@@ -82,13 +93,16 @@ class Calibration:
         return Calibration((1.0,) * gamma)
 
     def apply(self, logits):
-        """Calibrated per-slot confidences c_k = σ(L_k / T_k); ``logits`` [..., γ] numpy or torch (same type out)."""
-        if np.shape(logits)[-1] != self.gamma:
-            raise ValueError(f"logits last dimension {np.shape(logits)[-1]} != calibrated block size {self.gamma}")
+        """Calibrated per-slot confidences c_k = σ(L_k / T_k + b_k); ``logits`` [..., g] numpy or torch (same type
+        out), g ≤ γ: the first g positions (a drafter run at a shorter γ than it was calibrated for)."""
+        g = np.shape(logits)[-1]
+        if g > self.gamma:
+            raise ValueError(f"logits last dimension {g} exceeds the calibrated block size {self.gamma}")
+        temps, shifts = self.temperatures[:g], self.shifts[:g]
         if hasattr(logits, "new_tensor"):  # torch: stay on the tensor's device and dtype, no numpy round trip
-            return (logits / logits.new_tensor(self.temperatures)).sigmoid()
+            return (logits / logits.new_tensor(temps) + logits.new_tensor(shifts)).sigmoid()
         L = np.asarray(logits, dtype=np.float64)
-        return sigmoid(L / np.asarray(self.temperatures))
+        return sigmoid(L / np.asarray(temps) + np.asarray(shifts))
 
     def to_dict(self) -> dict:
         def rows(ms: tuple[PositionMetrics, ...]) -> list[dict]:
@@ -96,7 +110,8 @@ class Calibration:
                      "positive_rate": finite_or_none(m.positive_rate), "n": m.n,
                      "ece_floor": finite_or_none(m.ece_floor)} for m in ms]
 
-        return {"format": FORMAT, "version": VERSION, "temperatures": list(self.temperatures), "n_bins": self.n_bins,
+        return {"format": FORMAT, "version": VERSION, "temperatures": list(self.temperatures),
+                "shifts": list(self.shifts), "n_bins": self.n_bins,
                 "n_rounds": self.n_rounds, "metrics": {"before": rows(self.before), "after": rows(self.after)}}
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -104,7 +119,8 @@ class Calibration:
 
     @staticmethod
     def from_dict(obj: dict, path: str | os.PathLike = "<dict>") -> "Calibration":
-        check_header(obj, path, fmt=FORMAT, version=VERSION, error=CalibrationFormatError)
+        version = obj.get("version") if isinstance(obj, dict) and obj.get("version") in (1, VERSION) else VERSION
+        check_header(obj, path, fmt=FORMAT, version=version, error=CalibrationFormatError)
         temps = obj.get("temperatures")
         if not isinstance(temps, list) or not temps or not all(
             isinstance(t, (int, float)) and not isinstance(t, bool) and np.isfinite(t) and t > 0 for t in temps
@@ -128,36 +144,59 @@ class Calibration:
         n_bins, n_rounds = obj.get("n_bins", 15), obj.get("n_rounds", 0)
         if not isinstance(n_bins, int) or n_bins < 1 or not isinstance(n_rounds, int) or n_rounds < 0:
             raise CalibrationFormatError(f"{path}: 'n_bins' and 'n_rounds' must be non-negative integers")
-        return Calibration(tuple(temps), rows("before"), rows("after"), n_bins, n_rounds)
+        shifts = obj.get("shifts", [0.0] * len(temps))
+        if not isinstance(shifts, list) or len(shifts) != len(temps) or not all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and np.isfinite(b) for b in shifts
+        ):
+            raise CalibrationFormatError(f"{path}: 'shifts' must be a list of {len(temps)} finite numbers, "
+                                         f"got {shifts!r}")
+        return Calibration(tuple(temps), rows("before"), rows("after"), n_bins, n_rounds, tuple(shifts))
 
     @staticmethod
     def load(path: str | os.PathLike) -> "Calibration":
         return Calibration.from_dict(read_json(path, kind="calibration", error=CalibrationFormatError), path)
 
 
-def _best_temperature(prev: np.ndarray, logit: np.ndarray, y: np.ndarray, n_bins: int) -> float:
-    """argmin_T ECE(prev * σ(logit / T), y) over the coarse grid, then a fine grid between its neighbours."""
+def _best_temperature(prev: np.ndarray, logit: np.ndarray, y: np.ndarray, n_bins: int,
+                      shift: float = 0.0) -> tuple[float, float]:
+    """argmin_T ECE(prev * σ(logit / T + shift), y) over the coarse grid, then a fine grid between its
+    neighbours -> (T, its ECE)."""
     grid = COARSE_GRID
     for _ in range(2):
-        e = ece_rows(prev[None, :] * sigmoid(logit[None, :] / grid[:, None]), y, n_bins)
+        e = ece_rows(prev[None, :] * sigmoid(logit[None, :] / grid[:, None] + shift), y, n_bins)
         i = int(np.argmin(e))  # first minimum: deterministic on plateaus
-        best = float(grid[i])
+        best, best_e = float(grid[i]), float(e[i])
         lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, grid.size - 1)]
         grid = np.geomspace(lo, hi, 41)
-    return best
+    return best, best_e
 
 
-def fit_sts(logits, n_acc, *, n_bins: int = 15) -> Calibration:
-    """Fit STS on ``logits`` [N, γ] and ``n_acc`` [N]; returns temperatures plus before/after metrics (in-sample;
-    evaluate on held-out rounds with ``evaluate`` for an unbiased report)."""
+def _best_temperature_and_shift(prev, logit, y, n_bins: int) -> tuple[float, float]:
+    """Shift on a grid (coarse, then between the best point's neighbours), the best T for each -> (T, b).
+    Ties go to the smallest |b|: no shift unless it lowers the ECE."""
+    grid = SHIFT_GRID[np.argsort(np.abs(SHIFT_GRID), kind="stable")]
+    for _ in range(2):
+        fits = [(*_best_temperature(prev, logit, y, n_bins, float(b)), float(b)) for b in grid]
+        t, _, b = min(fits, key=lambda f: f[1])  # first minimum in |b| order
+        step = float(np.abs(np.diff(np.sort(grid))).min())
+        grid = np.concatenate([[b], np.linspace(b - step, b + step, 21)])
+    return t, b
+
+
+def fit_sts(logits, n_acc, *, n_bins: int = 15, shift: bool = False) -> Calibration:
+    """Fit STS on ``logits`` [N, γ] and ``n_acc`` [N]; returns temperatures (and shifts with ``shift=True``) plus
+    before/after metrics (in-sample; evaluate on held-out rounds with ``evaluate`` for an unbiased report)."""
     L, y = _check_data(logits, n_acc)
     temps: list[float] = []
+    shifts: list[float] = []
     prev = np.ones(L.shape[0])
     for k in range(L.shape[1]):
-        t = _best_temperature(prev, L[:, k], y[:, k], n_bins)
+        t, b = (_best_temperature_and_shift(prev, L[:, k], y[:, k], n_bins) if shift
+                else (_best_temperature(prev, L[:, k], y[:, k], n_bins)[0], 0.0))
         temps.append(t)
-        prev = prev * sigmoid(L[:, k] / t)
-    fitted = Calibration(tuple(temps), n_bins=n_bins, n_rounds=int(L.shape[0]))
+        shifts.append(b)
+        prev = prev * sigmoid(L[:, k] / t + b)
+    fitted = Calibration(tuple(temps), n_bins=n_bins, n_rounds=int(L.shape[0]), shifts=tuple(shifts))
     raw = evaluate(Calibration.identity(L.shape[1]), L, n_acc, n_bins=n_bins)
     return replace(fitted, before=raw, after=evaluate(fitted, L, n_acc, n_bins=n_bins))
 
