@@ -155,3 +155,20 @@ def test_bench_serve_simulates_the_measured_cells(tiny, tmp_path, monkeypatch):
     assert len(cached) == 1 and json.loads(cached[0].read_text())["draft_requests"]  # drafting cost measured
     with pytest.raises(ValueError, match="γ = 4"):
         simulated(ServeBenchConfig(model=cfg.model, gamma=7, traces=cfg.traces), loaded, drafter, cells, 0)
+
+
+def test_per_user_speed_at_matched_throughput_hand_worked():
+    from dspark.bench.serving import per_user_at_matched_throughput
+
+    cells = [{"policy": "mtp1", "concurrency": 1, "throughput_tok_s": 20.0},
+             {"policy": "mtp1", "concurrency": 4, "throughput_tok_s": 60.0},
+             {"policy": "sync", "concurrency": 1, "throughput_tok_s": 30.0},
+             {"policy": "sync", "concurrency": 2, "throughput_tok_s": 50.0},
+             {"policy": "sync", "concurrency": 4, "throughput_tok_s": 70.0},
+             {"policy": "none", "concurrency": 4, "throughput_tok_s": 40.0}]
+    rows = per_user_at_matched_throughput(cells)
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    assert rows[0]["sync"] is None  # sync never runs as slowly as 20 tok/s aggregate
+    # 60 tok/s lies halfway between sync's C = 2 (25 tok/s per user) and C = 4 (17.5): 21.25 vs MTP-1's 15.
+    assert rows[1]["sync"] == pytest.approx(21.25 / 15)
+    assert rows[1]["none"] is None  # a single point cannot be interpolated

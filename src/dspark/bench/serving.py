@@ -88,8 +88,9 @@ def run(cfg: ServeBenchConfig) -> dict:
                   f"tau {cell['tau']:.2f}", flush=True)
     if cfg.traces is not None:
         simulated(cfg, loaded, drafter, cells, prompt_tokens=round(sum(map(len, prompts)) / len(prompts)))
+    matched = per_user_at_matched_throughput(cells) if "mtp1" in cfg.policies else []
     data = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
-            "machine": machine_info(), "cells": cells}
+            "machine": machine_info(), "cells": cells, "per_user_vs_mtp1_at_matched_throughput": matched}
     sim = cfg.traces is not None
     md = (f"# Serving benchmark ({cfg.model}, drafter {cfg.drafter}, T={cfg.temperature:g}, "
           f"{cfg.max_new_tokens} new tokens, {cfg.seconds_per_cell:g} s per cell)\n\n"
@@ -102,6 +103,14 @@ def run(cfg: ServeBenchConfig) -> dict:
                             + ([c["sim_throughput_tok_s"], c["sim_mean_budget"],
                                 f"{c['throughput_tok_s'] / c['sim_throughput_tok_s']:.2f}"] if sim else [])
                             for c in cells]) + "\n")
+    if matched:
+        others = [p for p in dict.fromkeys(c["policy"] for c in cells) if p != "mtp1"]
+        md += ("\nPer-user speed at MTP-1's aggregate throughput, as a multiple of MTP-1's (– : the policy's curve "
+               "never reaches that throughput):\n\n"
+               + markdown_table(["C (MTP-1)", "tok/s", *others],
+                                [[r["concurrency"], r["throughput_tok_s"],
+                                  *["–" if r[p] is None else f"{r[p]:.2f}" for p in others]] for r in matched])
+               + "\n")
     write_results(cfg.out, "serving", data, md)
     plot(cells, cfg.out)
     print(md)
@@ -127,6 +136,28 @@ def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_
         r = simulate(profile, traces, policy, loop, seed=0, prefill_chunk=EngineConfig().prefill_chunk)
         cell.update(sim_throughput_tok_s=r.throughput_tps, sim_per_user_tok_s=r.per_user_tps,
                     sim_mean_budget=r.mean_budget, sim_tau=r.tau)
+
+
+def per_user_at_matched_throughput(cells: list[dict], reference: str = "mtp1") -> list[dict]:
+    """The paper's Figure-7 comparison as numbers: for each `reference` cell, the per-user speed every other
+    policy reaches at the same aggregate throughput, interpolated linearly along that policy's curve over
+    concurrency (per-user = aggregate / C, the closed-loop mean); the best where its curve passes that throughput
+    more than once, None where it never does."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for c in sorted(cells, key=lambda c: c["concurrency"]):
+        curves.setdefault(c["policy"], []).append((c["throughput_tok_s"], c["throughput_tok_s"] / c["concurrency"]))
+    rows = []
+    for ref in (c for c in cells if c["policy"] == reference):
+        x, ref_pu = ref["throughput_tok_s"], ref["throughput_tok_s"] / ref["concurrency"]
+        row = {"concurrency": ref["concurrency"], "throughput_tok_s": x, "reference_per_user_tok_s": ref_pu}
+        for name, pts in curves.items():
+            if name == reference:
+                continue
+            found = [pu0 + (pu1 - pu0) * ((x - t0) / (t1 - t0) if t1 != t0 else 0.0)
+                     for (t0, pu0), (t1, pu1) in zip(pts, pts[1:]) if min(t0, t1) <= x <= max(t0, t1)]
+            row[name] = max(found) / ref_pu if found else None
+        rows.append(row)
+    return rows
 
 
 def plot(cells: list[dict], out: Path) -> None:
