@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/dspark generate --prompt "$(PROMPT)" --max-new-tokens 128
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(BIN)/dspark bench runtime
