@@ -85,11 +85,10 @@ ROLLOUTS_VERSION = 1
 
 def save_rollouts(path: Path, fit, held, requests: int) -> None:
     """Raw confidence logits and accepted counts of both halves (written atomically)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, version=ROLLOUTS_VERSION, fit_logits=fit[0], fit_n_acc=fit[1], held_logits=held[0],
-                        held_n_acc=held[1], requests=requests)
-    tmp.replace(path)
+    from .scheduling._jsonio import write_npz_atomic
+
+    write_npz_atomic(path, version=ROLLOUTS_VERSION, fit_logits=fit[0], fit_n_acc=fit[1], held_logits=held[0],
+                     held_n_acc=held[1], requests=requests)
 
 
 def load_rollouts(path: Path):

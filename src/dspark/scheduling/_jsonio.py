@@ -1,4 +1,4 @@
-"""Small shared helpers for the versioned JSON files of this package (speed profiles, calibration).
+"""Small shared helpers for the versioned files of this package (speed profiles, calibration, traces, rollouts).
 
 Both files are caches or artefacts that other processes read while we may be rewriting them (an engine
 restarting, a benchmark running next to a calibration job), so every write goes to a temporary file in the
@@ -53,15 +53,34 @@ def read_json(path: str | os.PathLike, *, kind: str, error: type[FileFormatError
         raise error(f"{path}: not a valid {kind} JSON file (line {e.lineno}, column {e.colno}: {e.msg})") from e
 
 
-def check_header(obj: Any, path: str | os.PathLike, *, fmt: str, version: int,
+def write_npz_atomic(path: str | os.PathLike, **arrays) -> Path:
+    """np.savez_compressed through a temporary file in the same directory, moved into place."""
+    import numpy as np
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.npz")  # np.savez appends .npz unless present; keep it explicit
+    try:
+        np.savez_compressed(tmp, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def check_header(obj: Any, path: str | os.PathLike, *, fmt: str, version: int | tuple[int, ...],
                  error: type[FileFormatError] = FileFormatError) -> None:
-    """Validate the ``format``/``version`` header every file of ours starts with (raising ``error``)."""
+    """Validate the ``format``/``version`` header every file of ours starts with (raising ``error``);
+    ``version`` may list every version this build reads."""
     if not isinstance(obj, dict):
         raise error(f"{path}: expected a JSON object at top level, got {type(obj).__name__}")
     if obj.get("format") != fmt:
         raise error(f"{path}: 'format' is {obj.get('format')!r}, expected {fmt!r}")
-    if obj.get("version") != version:
-        raise error(f"{path}: {fmt} version {obj.get('version')!r} is not supported (this build reads {version})")
+    readable = version if isinstance(version, tuple) else (version,)
+    if obj.get("version") not in readable:
+        raise error(f"{path}: {fmt} version {obj.get('version')!r} is not supported "
+                    f"(this build reads {', '.join(map(str, readable))})")
 
 
 def finite_or_none(x: float) -> float | None:

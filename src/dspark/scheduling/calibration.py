@@ -119,8 +119,7 @@ class Calibration:
 
     @staticmethod
     def from_dict(obj: dict, path: str | os.PathLike = "<dict>") -> "Calibration":
-        version = obj.get("version") if isinstance(obj, dict) and obj.get("version") in (1, VERSION) else VERSION
-        check_header(obj, path, fmt=FORMAT, version=version, error=CalibrationFormatError)
+        check_header(obj, path, fmt=FORMAT, version=(1, VERSION), error=CalibrationFormatError)
         temps = obj.get("temperatures")
         if not isinstance(temps, list) or not temps or not all(
             isinstance(t, (int, float)) and not isinstance(t, bool) and np.isfinite(t) and t > 0 for t in temps

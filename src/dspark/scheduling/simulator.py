@@ -6,8 +6,9 @@ step_s(B = R + sum ℓ) + draft_s(R), the drafting cost being skipped on steps w
 says the drafter need not run (plain decoding; the async scheduler at K = 0). Requests join and leave between steps,
 with no batch-size cap. With ``prompt_tokens`` > 0 a new request first spends steps in prefill: its prompt
 rides in the same forward as the decoding requests (at most ``prefill_chunk`` prompt tokens per step, as the
-engine does), adding to B, and its first token comes out of the step that finishes the prompt. Everything is seeded; policies compared with the same seed see the same round draws as
-long as their batches have the same size, which keeps comparisons between them low-noise.
+engine does), adding to B, and its first token comes out of the step that finishes the prompt. Everything is
+seeded; policies compared with the same seed see the same round draws as long as their batches have the same
+size, which keeps comparisons between them low-noise.
 
 Reported per run (``SimResult``):
   throughput_tps  aggregate emitted tokens / simulated seconds

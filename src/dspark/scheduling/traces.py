@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ._jsonio import write_npz_atomic
 from .calibration import Calibration
 
 
@@ -51,12 +52,7 @@ class AcceptanceTraces:
         return float(np.minimum(self.n_acc, ell).mean() + 1.0)
 
     def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp.npz")  # np.savez appends .npz unless present; keep it explicit
-        np.savez_compressed(tmp, conf=self.conf, n_acc=self.n_acc, version=np.int64(1))
-        os.replace(tmp, path)
-        return path
+        return write_npz_atomic(path, conf=self.conf, n_acc=self.n_acc, version=np.int64(1))
 
     @staticmethod
     def load(path: str | os.PathLike) -> "AcceptanceTraces":
