@@ -146,9 +146,14 @@ def test_bench_serve_simulates_the_measured_cells(tiny, tmp_path, monkeypatch):
     simulated(cfg, loaded, drafter, cells, prompt_tokens=0)
     for cell in cells:
         assert cell["sim_throughput_tok_s"] > 0 and cell["sim_tau"] >= 1.0
-    no_prompt = {(c["policy"], c["concurrency"]): c["sim_throughput_tok_s"] for c in cells}
-    simulated(cfg, loaded, drafter, cells, prompt_tokens=64)  # prefill costs time in the shared forward
-    assert all(c["sim_throughput_tok_s"] < no_prompt[c["policy"], c["concurrency"]] for c in cells)
+    # The prompts' prefill reaches the simulator with the engine's chunk size (the profile measured here is noisy
+    # on a busy machine, so what prefill does to throughput is tested on fixed profiles in test_sched_simulator).
+    import dspark.scheduling.simulator as sim
+
+    seen, real = [], sim.simulate
+    monkeypatch.setattr(sim, "simulate", lambda *a, **k: seen.append((a[3], k["prefill_chunk"])) or real(*a, **k))
+    simulated(cfg, loaded, drafter, cells, prompt_tokens=64)
+    assert len(seen) == len(cells) and all(loop.prompt_tokens == 64 and chunk == 512 for loop, chunk in seen)
     assert all(c["sim_mean_budget"] == 0 for c in cells if c["policy"] == "none")
     assert all(c["sim_mean_budget"] == 4 for c in cells if c["policy"] == "fixed-4")
     cached = list((tmp_path / "cache" / "profiles").glob("*.json"))

@@ -12,6 +12,7 @@ import pytest
 from scipy.stats import chisquare
 
 from dspark.scheduling import (
+    AsyncPolicy,
     async_capacity,
     async_schedule,
     fixed_k,
@@ -107,9 +108,23 @@ def chi2_pvalue(pairs):
     return chisquare(observed, expected).pvalue
 
 
+def async_probe_step(c, c_old):
+    """The step on which AsyncPolicy probes: primed with token-independent history (zero confidences -> K = 0,
+    one skipped step), so this call drafts again and verifies the current, token-dependent confidences."""
+    pol = AsyncPolicy(sps, probe_every=1)
+    for _ in range(2):
+        pol.prepare(R)
+        pol.select(np.zeros((R, GAMMA)))
+    assert pol.prepare(R) is False
+    pol.select(None, n_requests=R)
+    assert pol.prepare(R) is True and pol.last_capacity is None  # the probe
+    return pol.select(c)
+
+
 POLICIES = {
     "sync": lambda c, c_old: sync_prefix_schedule(c, sps),
     "async": lambda c, c_old: async_schedule(c, async_capacity(c_old, sps)),
+    "async-probe": async_probe_step,
     "fixed-1": lambda c, c_old: fixed_k(R, GAMMA, 1),
     "fixed-2": lambda c, c_old: fixed_k(R, GAMMA, 2),
     "threshold": lambda c, c_old: static_threshold(c, 0.45),
