@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# Depth ablation (issue 4): DSpark and DFlash with 2 draft layers on the Table-1 data and budget, evaluated on the
-# same prompts and seeds as scripts/train_table1.sh (run that first; its 1-layer rows are the comparison).
-# 2-core CPU: the two trainings share the cores, one thread each. Reruns resume from the last checkpoints.
+# Depth ablation (issue 4): DSpark and DFlash with 2 and 4 draft layers (DEPTHS) on the Table-1 data and budget,
+# evaluated on the same prompts and seeds as scripts/train_table1.sh (run that first; its 1-layer rows are the
+# comparison). 2-core CPU: two trainings at a time, one thread each. Reruns resume from the last checkpoints, and a
+# finished run is not trained again.
 source "$(dirname "$0")/table1_common.sh"
 OUT=${OUT:-results/ablation-depth}
+DEPTHS=${DEPTHS:-2 4}
 mkdir -p "$OUT"
-train dspark-2l 1 --set drafter.num_layers=2 &
-train dflash-2l 1 --set drafter.type=dflash --set drafter.num_layers=2 &
-wait
-"$DSPARK" bench acceptance --drafters runs/table1-dspark-2l/drafter,runs/table1-dflash-2l/drafter \
+drafters=()
+for n in $DEPTHS; do
+  train "dspark-${n}l" 1 --set "drafter.num_layers=$n" &
+  train "dflash-${n}l" 1 --set drafter.type=dflash --set "drafter.num_layers=$n" &
+  wait
+  drafters+=("runs/table1-dspark-${n}l/drafter" "runs/table1-dflash-${n}l/drafter")
+done
+"$DSPARK" bench acceptance --drafters "$(IFS=,; echo "${drafters[*]}")" \
   --limit "$LIMIT" --max-new-tokens "$TOKENS" --temperatures 1.0 --batch 24 --speed-prompts 0 --out "$OUT"

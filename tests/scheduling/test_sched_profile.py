@@ -86,7 +86,7 @@ def test_cache_missing_is_silent(tmp_path):
         assert load_cached_profile(tmp_path / "nope.json", KEY) is None
 
 
-@pytest.mark.parametrize("field", ["model_id", "drafter_id", "machine", "dtype"])
+@pytest.mark.parametrize("field", ["model_id", "drafter_id", "machine", "dtype", "kernels"])
 def test_cache_key_mismatch_warns_and_returns_none(tmp_path, field):
     path = save_profile(PROF, tmp_path / "sps.json")
     other = ProfileKey(**{**KEY.as_dict(), field: "something else"})
@@ -170,3 +170,14 @@ def test_load_or_measure_measures_once_then_uses_the_cache(tmp_path):
     with pytest.warns(UserWarning, match="dtype"):
         load_or_measure(path, other, measure)  # another dtype: re-profiled and re-cached
     assert len(calls) == 2 and load_cached_profile(path, other) is not None
+
+
+def test_profiles_cached_before_the_kernels_field_count_as_torch_kernels(tmp_path):
+    """A cache written before the native kernel existed is valid for the torch path, stale for the native one."""
+    path = save_profile(PROF, tmp_path / "sps.json")
+    obj = json.loads(path.read_text())
+    del obj["key"]["kernels"]
+    path.write_text(json.dumps(obj))
+    assert load_cached_profile(path, KEY) is not None
+    with pytest.warns(UserWarning, match="kernels"):
+        assert load_cached_profile(path, ProfileKey(**{**KEY.as_dict(), "kernels": "native"})) is None

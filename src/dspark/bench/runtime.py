@@ -17,6 +17,7 @@ from ..engine.speculative import Generation, TransformerTarget
 from ..generate import prompt_ids
 from ..models import Segment, load_model
 from .common import load_bench_prompts, machine_info, markdown_table, median, write_results
+from .kernels import projection_kernels
 
 HF_LOOKUP_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens example value
 CURVE_TOKENS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
@@ -157,11 +158,12 @@ def run(cfg: RuntimeBenchConfig) -> dict:
         from transformers import AutoModelForCausalLM
         hf_model = AutoModelForCausalLM.from_pretrained(str(loaded.hf_dir), dtype=torch.float32).eval()
     curve = forward_curve(loaded.model)
+    kernels = projection_kernels(loaded.model)
     runs = decode_benchmark(cfg, loaded, hf_model)
     summary = summarise(runs)
     data = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
             "machine": machine_info(), "summary": summary, "ratios": _ratios(summary), "forward_curve": curve,
-            "runs": runs}
+            "projection_kernels": kernels, "runs": runs}
     md = [f"# Runtime benchmark ({cfg.model}, {cfg.dtype}, batch 1, {cfg.max_new_tokens} new tokens)\n",
           f"Machine: {data['machine']['cpu']}, {data['machine']['torch_threads']} threads, torch "
           f"{data['machine']['torch']}, {data['machine']['date']}\n",
@@ -170,7 +172,10 @@ def run(cfg: RuntimeBenchConfig) -> dict:
                            s["aggregate_tokens_per_s"], s["mean_tau"] if s["mean_tau"] else "-"] for s in summary]),
           "\nRatios of median tokens/s:\n", markdown_table(["T", "pair", "ratio"], data["ratios"]),
           "\nTarget forward time vs tokens verified:\n",
-          markdown_table(["layout", "B", "ms"], [[r["layout"], r["tokens"], r["seconds"] * 1000] for r in curve])]
+          markdown_table(["layout", "B", "ms"], [[r["layout"], r["tokens"], r["seconds"] * 1000] for r in curve]),
+          f"\nAll projections of one forward ({kernels[0]['weight_mb']:.0f} MB of weights) per kernel:\n",
+          markdown_table(["kernel", "rows", "ms", "GB/s"],
+                         [[k["kernel"], k["rows"], k["seconds"] * 1000, k["gb_per_s"]] for k in kernels])]
     write_results(cfg.out, "runtime", data, "\n".join(md) + "\n")
     plot_curve(curve, cfg.out / "forward_curve.png")
     print("\n".join(md))

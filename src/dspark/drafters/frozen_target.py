@@ -131,7 +131,7 @@ def inference_head(model: DraftVocabMixin, target):
     if rows.dtype != target.dtype:
         rows = target.lm_head.weight[model.vocab_ids.to(target.device)]
     rows = rows.contiguous()
-    head = Projection(rows, packed=target.lm_head.packed is not None)
+    head = Projection(rows, packed=target.lm_head.packed is not None, native=target.lm_head.native)
     cap = target.config.final_logit_softcap
 
     def logits(h: torch.Tensor) -> torch.Tensor:

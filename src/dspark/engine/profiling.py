@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..models import native
 from ..models.loader import cache_root
 from ..models.transformer import Segment, Transformer
 from ..scheduling.profile import ProfileKey, SpeedProfile, current_machine, measure_profile
@@ -68,7 +69,11 @@ def drafter_step_fn(model: Transformer, drafter):
 
 
 def profile_key(model_id: str, dtype: str, drafter_id: str = "none") -> ProfileKey:
-    return ProfileKey(model_id=model_id, drafter_id=drafter_id, machine=current_machine(), dtype=dtype)
+    """The native kernel speeds up 1-2 token forwards only, so a profile measured without it (or before it
+    existed: files without the field) is stale and re-measured."""
+    kernels = "native" if dtype == "float32" and native.kernel() is not None else "torch"
+    return ProfileKey(model_id=model_id, drafter_id=drafter_id, machine=current_machine(), dtype=dtype,
+                      kernels=kernels)
 
 
 def profile_path(key: ProfileKey) -> Path:

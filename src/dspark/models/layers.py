@@ -6,6 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import native as native_kernel
 from .config import RopeSpec
 
 
@@ -120,16 +121,23 @@ class Projection:
     `_linear_pointwise` takes 19 / 22 / 18 / 24 ms. The LM head (49,152 × 576) drops from 10 / 48 ms to
     5 / 5 ms at 1 / 8 rows. That flat cost up to ~16 rows is what makes verifying drafts nearly free.
     The packed copy doubles weight memory, so the loader enables it only for small models.
+    For one or two rows (a decode step) our C kernel (models/native.py) reads the weights faster still.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False,
+                 native: bool = False):
         self.weight = weight  # [out, in], dense: the reference layout, also read by drafter initialisation
         self.bias = bias
         self.packed = _pack(weight) if packed else None
+        self.native = native and native_kernel.usable(weight) and (bias is None or bias.is_contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.packed is None or rows == 0:
+        if rows == 0 or x.requires_grad:  # neither fast kernel has a backward
+            return F.linear(x, self.weight, self.bias)
+        if self.native and rows <= native_kernel.MAX_ROWS:
+            return native_kernel.linear(x, self.weight, self.bias)
+        if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         size = bucket_rows(rows)
         if size != rows:

@@ -54,16 +54,16 @@ def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
 def build_transformer(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
                       dtype: torch.dtype = torch.float32, fast_kernels: bool | None = None,
                       device: torch.device | str = "cpu") -> Transformer:
-    """fast_kernels: keep pre-packed (oneDNN) weight copies for CPU speed; they double the weight memory,
-    so by default only when the weights take under 2 GB (never off the CPU)."""
+    """fast_kernels: CPU kernels faster than plain `linear` (False: the plain reference path). Pre-packed oneDNN
+    copies double the weight memory, so by default only when the weights take under 2 GB; our C kernel for
+    decode-sized products (models/native.py) needs no copy. Never off the CPU."""
     device = torch.device(device)
-    if device.type != "cpu":
-        fast_kernels = False
-    elif fast_kernels is None:
-        fast_kernels = sum(t.numel() for t in tensors.values()) * torch.finfo(dtype).bits // 8 < 2 << 30
+    small = sum(t.numel() for t in tensors.values()) * torch.finfo(dtype).bits // 8 < 2 << 30
+    fast = device.type == "cpu" and fast_kernels is not False
+    packed = fast and (fast_kernels or small)
 
     def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
-        return Projection(weight, bias, packed=fast_kernels)
+        return Projection(weight, bias, packed=packed, native=fast)
 
     def take(name: str, required: bool = True) -> torch.Tensor | None:
         t = tensors.get(name)

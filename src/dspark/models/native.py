@@ -1,0 +1,120 @@
+"""A C kernel for decode-sized projections on CPU (native_linear.c), compiled on first use and loaded with ctypes.
+
+Why: at batch 1 a decode step is ~120 products of one vector with a weight matrix, so its speed is the speed of
+reading the fp32 weights (538 MB for SmolLM2-135M). Measured on the 2-core dev machine (torch 2.13, SmolLM2's
+shapes, weights cold in cache; the projection table of `dspark bench runtime` reproduces it): oneDNN's pre-packed
+product reads them at ~22 GB/s for one row, this kernel at ~28 GB/s — the machine's read bandwidth. From 4 rows up
+oneDNN's blocking wins, so callers use the kernel for at most MAX_ROWS rows.
+
+The kernel is built once per source, flags and CPU into the dspark cache with the system C compiler (`$CC`, else
+`cc`). With no compiler, a failed build, a failed self-check, or `DSPARK_NATIVE=0`, `kernel()` is None and callers
+keep the torch path — slower, never wrong. Each output row is summed in a fixed order, so a row's result does not
+depend on how many rows share the call or on the thread count (tests/test_native_linear.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("dspark")
+SOURCE = Path(__file__).with_name("native_linear.c")
+MAX_ROWS = 2  # measured crossover with oneDNN's packed kernel (see the module docstring)
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
+
+
+def _cpu_signature() -> str:
+    """-march=native code must not run on another CPU that shares the cache directory."""
+    try:
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + platform.processor() + flags
+
+
+def _build(cache_dir: Path) -> Path | None:
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        log.info("no C compiler found; using torch's kernels for decode projections")
+        return None
+    source = SOURCE.read_bytes()
+    errors = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(source + " ".join([cc, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
+        out = cache_dir / f"native_linear-{key}.so"
+        if out.exists():
+            return out
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+        os.close(fd)
+        cmd = [cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            done = subprocess.CompletedProcess(cmd, 1, "", str(exc))
+        if done.returncode == 0:
+            os.replace(tmp, out)  # atomic: a concurrent or interrupted build never leaves a partial library
+            return out
+        os.unlink(tmp)
+        errors.append(f"{' '.join(flags)}: {done.stderr.strip()[-300:]}")
+    log.warning("could not build the native projection kernel; using torch's kernels:\n%s", "\n".join(errors))
+    return None
+
+
+def _self_check(fn) -> bool:
+    """Guard against a miscompiled or ABI-mismatched library: compare with fp64 on awkward shapes."""
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in ((1, 7, 13), (3, 9, 40), (5, 4, 8)):
+        x, w, b = (torch.randn(*s, generator=g) for s in ((m, k), (n, k), (n,)))
+        y = torch.empty(m, n)
+        fn(x.data_ptr(), m, w.data_ptr(), b.data_ptr(), n, k, y.data_ptr(), 1)
+        if not torch.allclose(y.double(), x.double() @ w.double().T + b.double(), rtol=1e-5, atol=1e-5):
+            return False
+    return True
+
+
+@functools.cache
+def kernel(cache_dir: str | None = None):
+    """The loaded C function, or None where it cannot be used (see the module docstring). Cached per process."""
+    if os.environ.get("DSPARK_NATIVE", "1") == "0":
+        return None
+    from .loader import cache_root
+
+    path = _build(Path(cache_dir) if cache_dir else cache_root() / "native")
+    if path is None:
+        return None
+    try:
+        fn = ctypes.CDLL(str(path)).dspark_linear
+    except (OSError, AttributeError) as exc:
+        log.warning("could not load %s (%s); using torch's kernels", path, exc)
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = None
+    if not _self_check(fn):
+        log.warning("the native projection kernel at %s failed its self-check; using torch's kernels", path)
+        return None
+    return fn
+
+
+def usable(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous() \
+        and not weight.requires_grad and kernel() is not None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] · weight [N, K]ᵀ (+ bias [N]) -> [M, N], fp32 on CPU; the caller checked `usable(weight)`."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0])
+    kernel()(x.data_ptr(), x.shape[0], weight.data_ptr(), None if bias is None else bias.data_ptr(),
+             weight.shape[0], weight.shape[1], y.data_ptr(), torch.get_num_threads())
+    return y

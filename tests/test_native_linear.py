@@ -1,0 +1,116 @@
+"""The C projection kernel (models/native.py) against an fp64 reference, its batch invariance, and its fallbacks."""
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark.models import native
+from dspark.models.layers import Projection
+
+needs_kernel = pytest.mark.skipif(native.kernel() is None, reason="no C compiler here: the torch path is used")
+
+
+@pytest.fixture
+def fresh_kernel():
+    """Each test builds its own kernel state; the process-wide one is restored afterwards."""
+    native.kernel.cache_clear()
+    yield native.kernel
+    native.kernel.cache_clear()
+
+
+def _run(x, w, b=None, threads=2):
+    y = torch.empty(x.shape[0], w.shape[0])
+    native.kernel()(x.data_ptr(), x.shape[0], w.data_ptr(), None if b is None else b.data_ptr(),
+                    w.shape[0], w.shape[1], y.data_ptr(), threads)
+    return y
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(1, 1), (3, 7), (4, 8), (5, 9), (17, 64), (130, 577)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_fp64_reference(m, n, k, with_bias):
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = native.linear(x, w, b)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    scale = (x.double().abs() @ w.double().abs().T).max()  # error bound of a k-term fp32 dot product (+ bias)
+    assert float((got.double() - ref).abs().max()) <= 1e-6 * (k * float(scale) + float(ref.abs().max()))
+
+
+@needs_kernel
+def test_a_row_does_not_depend_on_its_batch_or_the_thread_count():
+    """Decode at concurrency 1 and 2 (or with another thread count) gives bitwise the same logits per request."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(7, 576, generator=g), torch.randn(1003, 576, generator=g), torch.randn(1003, generator=g)
+    alone = torch.cat([_run(x[i:i + 1], w, b) for i in range(7)])
+    assert torch.equal(_run(x, w, b), alone)
+    assert torch.equal(_run(x, w, b, threads=1), alone)
+
+
+@needs_kernel
+def test_projection_uses_it_for_decode_rows_only(monkeypatch):
+    w = torch.randn(64, 32)
+    proj = Projection(w, packed=True, native=True)
+    assert proj.native
+    calls = []
+    monkeypatch.setattr(native, "linear", lambda *a: calls.append(a[0].shape[0]) or F.linear(*a))
+    for rows in (1, 2, 3, 8):
+        proj(torch.randn(rows, 32))
+    assert calls == [1, 2]
+    x = torch.randn(1, 32, requires_grad=True)  # no backward in C: autograd inputs take the torch path
+    proj(x).sum().backward()
+    assert calls == [1, 2] and x.grad is not None
+    assert not Projection(w, native=False).native
+    assert not Projection(w.double(), native=True).native  # fp32 only
+
+
+def test_disabled_by_environment(monkeypatch, fresh_kernel):
+    monkeypatch.setenv("DSPARK_NATIVE", "0")
+    assert fresh_kernel() is None
+    w = torch.randn(8, 4)
+    proj = Projection(w, native=True)
+    x = torch.randn(1, 4)
+    assert not proj.native and torch.equal(proj(x), F.linear(x, w))
+
+
+def test_no_compiler_falls_back(monkeypatch, tmp_path, fresh_kernel):
+    monkeypatch.setenv("CC", "no-such-compiler-dspark")
+    assert fresh_kernel(str(tmp_path)) is None
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(shutil.which("false") is None, reason="needs /bin/false")
+def test_failing_compiler_warns_and_leaves_no_partial_library(monkeypatch, tmp_path, fresh_kernel, caplog):
+    monkeypatch.setenv("CC", "false")
+    with caplog.at_level(logging.WARNING, logger="dspark"):
+        assert fresh_kernel(str(tmp_path)) is None
+    assert "could not build" in caplog.text
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_kernel
+def test_built_once_and_reused(tmp_path, fresh_kernel):
+    assert fresh_kernel(str(tmp_path)) is not None
+    libs = list(tmp_path.glob("native_linear-*.so"))
+    assert len(libs) == 1
+    stamp = libs[0].stat().st_mtime_ns
+    native.kernel.cache_clear()
+    assert fresh_kernel(str(tmp_path)) is not None
+    assert libs[0].stat().st_mtime_ns == stamp
+
+
+def test_projection_benchmark_times_every_available_kernel():
+    from dspark.bench.kernels import ROWS, projection_kernels
+    from helpers import hf_model, ours_from_hf
+
+    model = ours_from_hf(hf_model("llama"), fast_kernels=True)
+    rows = projection_kernels(model, repeats=2)
+    names = {r["kernel"] for r in rows}
+    assert "torch linear" in names and ("native (ours)" in names) == (native.kernel() is not None)
+    assert len(rows) == len(names) * len(ROWS)
+    assert all(r["seconds"] > 0 and r["gb_per_s"] > 0 for r in rows)
