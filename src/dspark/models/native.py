@@ -3,8 +3,8 @@
 Why: at batch 1 a decode step is ~120 products of one vector with a weight matrix, so its speed is the speed of
 reading the fp32 weights (538 MB for SmolLM2-135M). Measured on the 2-core dev machine (torch 2.13, SmolLM2's
 shapes, weights cold in cache; the projection table of `dspark bench runtime` reproduces it): oneDNN's pre-packed
-product reads them at ~22 GB/s for one row, this kernel at ~28 GB/s — the machine's read bandwidth. From 4 rows up
-oneDNN's blocking wins, so callers use the kernel for at most MAX_ROWS rows.
+product reads them at ~20-23 GB/s for one row, this kernel at ~30 GB/s — the machine's read bandwidth. From 3-4
+rows up oneDNN's blocking wins, so callers use the kernel for at most MAX_ROWS rows.
 
 The kernel is built once per source, flags and CPU into the dspark cache with the system C compiler (`$CC`, else
 `cc`). With no compiler, a failed build, a failed self-check, or `DSPARK_NATIVE=0`, `kernel()` is None and callers
