@@ -177,3 +177,39 @@ def test_per_user_speed_at_matched_throughput_hand_worked():
     # 60 tok/s lies halfway between sync's C = 2 (25 tok/s per user) and C = 4 (17.5): 21.25 vs MTP-1's 15.
     assert rows[1]["sync"] == pytest.approx(21.25 / 15)
     assert rows[1]["none"] is None  # a single point cannot be interpolated
+
+
+def test_repeated_cells_give_medians_and_paired_ratios_hand_worked():
+    from dspark.bench.serving import median_cells, paired_ratios
+
+    runs = [{"policy": p, "concurrency": 2, "repeat": r, "throughput_tok_s": t, "tau": 1.0}
+            for p, r, t in (("none", 0, 10.0), ("fixed-3", 0, 12.0), ("async", 0, 11.0),
+                            ("none", 1, 20.0), ("fixed-3", 1, 16.0), ("async", 1, 21.0),
+                            ("none", 2, 15.0), ("fixed-3", 2, 15.0), ("async", 2, 15.0))]
+    cells = median_cells(runs)
+    assert [c["policy"] for c in cells] == ["none", "fixed-3", "async"]
+    assert cells[2]["throughput_tok_s"] == 15.0 and cells[2]["throughput_min"] == 11.0
+    assert cells[2]["throughput_max"] == 21.0 and cells[2]["repeats"] == 3 and "repeat" not in cells[2]
+    # Paired within a repeat: 11/12, 21/20, 15/15 — not the ratio of medians (15/15).
+    (row,) = paired_ratios(runs)
+    assert row["vs_best_fixed"] == pytest.approx([11 / 12, 21 / 20, 1.0])
+    assert row["vs_none"] == pytest.approx([1.1, 1.05, 1.0])
+
+
+def test_bench_serve_interleaves_repeats(tiny, tmp_path, monkeypatch):
+    import dspark.bench.serving as serving
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    root, loaded, paths, prompts = tiny
+    monkeypatch.setattr(serving, "load_bench_prompts", lambda sets, n: [("x", f"count to {i}") for i in range(4)])
+    cfg = serving.ServeBenchConfig(model=str(root / "target"), drafter=str(paths["dspark"]), gamma=4,
+                                   policies=("none", "fixed-4", "async"), concurrency=(1, 2), max_new_tokens=8,
+                                   seconds_per_cell=0.2, repeats=2, out=tmp_path / "out")
+    data = serving.run(cfg)
+    order = [(r["repeat"], r["concurrency"], r["policy"]) for r in data["runs"]]
+    assert order == [(rep, c, p) for rep in (0, 1) for c in (1, 2) for p in cfg.policies]
+    assert len(data["cells"]) == 6 and all(c["repeats"] == 2 for c in data["cells"])
+    assert [len(r["vs_best_fixed"]) for r in data["async_paired_ratios"]] == [2, 2]
+    assert "async / best fixed" in (tmp_path / "out" / "serving.md").read_text()
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        serving.ServeBenchConfig(repeats=0)

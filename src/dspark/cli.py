@@ -92,6 +92,8 @@ def add_bench(sub) -> None:
     s.add_argument("--concurrency", default="1,2,4,8,16,32")
     s.add_argument("--max-new-tokens", type=int, default=96)
     s.add_argument("--seconds", type=float, default=20.0, help="wall-clock seconds per (policy, concurrency) cell")
+    s.add_argument("--repeats", type=int, default=1,
+                   help="run every cell this many times, interleaved; report medians and paired ratios")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--traces", type=Path, default=None,
                    help="acceptance traces of this drafter (traces.npz from `dspark calibrate`): also simulate every "
@@ -144,7 +146,7 @@ def run_bench_serve(args) -> int:
     run(ServeBenchConfig(model=args.model, drafter=args.drafter, dtype=args.dtype,
                          policies=tuple(args.policies.split(",")),
                          concurrency=tuple(int(c) for c in args.concurrency.split(",")),
-                         max_new_tokens=args.max_new_tokens, seconds_per_cell=args.seconds,
+                         max_new_tokens=args.max_new_tokens, seconds_per_cell=args.seconds, repeats=args.repeats,
                          temperature=args.temperature, out=args.out, traces=args.traces))
     return 0
 

@@ -2,6 +2,9 @@
 
 In-process (no HTTP) so the numbers are the engine's: C clients each keep one request in flight; when one
 finishes the next prompt starts. Every (policy, C) cell runs for a fixed wall-clock budget after a warm-up.
+With `repeats` > 1 the cells are interleaved — each repeat visits every concurrency and, within it, every policy
+back to back — so slow drift of a noisy machine hits the policies compared at one C alike; cells report medians
+over repeats, and `paired_ratios` compares the scheduler with the best fixed policy repeat by repeat.
 """
 from __future__ import annotations
 
@@ -31,9 +34,17 @@ class ServeBenchConfig:
     gamma: int = 7
     max_new_tokens: int = 96
     seconds_per_cell: float = 20.0
+    repeats: int = 1
     temperature: float = 0.0
     out: Path = field(default=Path("results/serving"))
     traces: Path | None = None  # acceptance traces of this drafter: also simulate each cell (see `simulated`)
+
+    def __post_init__(self):
+        if self.repeats < 1 or self.seconds_per_cell <= 0 or not self.policies or not self.concurrency \
+                or min(self.concurrency) < 1:
+            raise ValueError("bench serve needs repeats >= 1, seconds > 0, at least one policy and concurrency "
+                             f"levels >= 1 (got repeats={self.repeats}, seconds={self.seconds_per_cell}, "
+                             f"policies={self.policies}, concurrency={self.concurrency})")
 
 
 def run_cell(engine: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams,
@@ -74,35 +85,49 @@ def run(cfg: ServeBenchConfig) -> dict:
     drafter = make_drafter(cfg.drafter, target=loaded.model, gamma=cfg.gamma)
     prompts = [prompt_ids(loaded.tokenizer, text, chat=True) for _, text in load_bench_prompts(ALL_SETS, 8)]
     params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=0)
-    cells = []
-    for policy_name in cfg.policies:
-        policy = build_policy(policy_name, drafter, cfg.model, cfg.dtype, loaded.model, cfg.gamma)
-        engine = Engine(loaded.model, loaded.tokenizer, drafter if policy_name != "none" else None, policy,
-                        loaded.eos_ids, EngineConfig(gamma=cfg.gamma, max_running=max(cfg.concurrency)))
-        run_cell(engine, prompts, 1, params, 2.0)  # warm-up
+    engines = {}
+    for name in cfg.policies:
+        policy = build_policy(name, drafter, cfg.model, cfg.dtype, loaded.model, cfg.gamma)
+        engines[name] = Engine(loaded.model, loaded.tokenizer, drafter if name != "none" else None, policy,
+                               loaded.eos_ids, EngineConfig(gamma=cfg.gamma, max_running=max(cfg.concurrency)))
+        run_cell(engines[name], prompts, 1, params, min(2.0, cfg.seconds_per_cell))  # warm-up
+    runs = []
+    for rep in range(cfg.repeats):
         for c in cfg.concurrency:
-            cell = {"policy": policy_name, **run_cell(engine, prompts, c, params, cfg.seconds_per_cell)}
-            cells.append(cell)
-            print(f"{policy_name:10s} C={c:3d}: {cell['throughput_tok_s']:7.1f} tok/s aggregate, "
-                  f"{cell['per_user_tok_s']:6.1f} tok/s per user, budget {cell['mean_verify_budget']:.2f}, "
-                  f"tau {cell['tau']:.2f}", flush=True)
+            for name, engine in engines.items():
+                cell = {"policy": name, "repeat": rep, **run_cell(engine, prompts, c, params, cfg.seconds_per_cell)}
+                runs.append(cell)
+                print(f"#{rep} {name:10s} C={c:3d}: {cell['throughput_tok_s']:7.1f} tok/s aggregate, "
+                      f"{cell['per_user_tok_s']:6.1f} tok/s per user, budget {cell['mean_verify_budget']:.2f}, "
+                      f"tau {cell['tau']:.2f}", flush=True)
+    cells = median_cells(runs)
     if cfg.traces is not None:
         simulated(cfg, loaded, drafter, cells, prompt_tokens=round(sum(map(len, prompts)) / len(prompts)))
     matched = per_user_at_matched_throughput(cells) if "mtp1" in cfg.policies else []
+    paired = paired_ratios(runs) if "async" in cfg.policies else []
     data = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
-            "machine": machine_info(), "cells": cells, "per_user_vs_mtp1_at_matched_throughput": matched}
+            "machine": machine_info(), "cells": cells, "per_user_vs_mtp1_at_matched_throughput": matched,
+            "async_paired_ratios": paired, "runs": runs}
     sim = cfg.traces is not None
     md = (f"# Serving benchmark ({cfg.model}, drafter {cfg.drafter}, T={cfg.temperature:g}, "
-          f"{cfg.max_new_tokens} new tokens, {cfg.seconds_per_cell:g} s per cell)\n\n"
-          + markdown_table(["policy", "C", "tok/s", "per-user tok/s", "verify budget", "tau", "finished",
-                            "drafter % of step", "engine overhead % of step"]
+          f"{cfg.max_new_tokens} new tokens, {cfg.seconds_per_cell:g} s per cell, {cfg.repeats} repeat(s), "
+          f"medians)\n\n"
+          + markdown_table(["policy", "C", "tok/s", "tok/s range", "per-user tok/s", "verify budget", "tau",
+                            "finished", "drafter % of step", "engine overhead % of step"]
                            + (["simulated tok/s", "simulated budget", "measured / simulated"] if sim else []),
-                           [[c["policy"], c["concurrency"], c["throughput_tok_s"], c["per_user_tok_s"],
+                           [[c["policy"], c["concurrency"], c["throughput_tok_s"],
+                             f"{c['throughput_min']:.1f}–{c['throughput_max']:.1f}", c["per_user_tok_s"],
                              c["mean_verify_budget"], c["tau"], c["finished_requests"],
                              f"{100 * c['drafter_fraction']:.1f}", f"{100 * c['overhead_fraction']:.1f}"]
                             + ([c["sim_throughput_tok_s"], c["sim_mean_budget"],
                                 f"{c['throughput_tok_s'] / c['sim_throughput_tok_s']:.2f}"] if sim else [])
                             for c in cells]) + "\n")
+    if paired:
+        md += (f"\nAsync scheduler's throughput over the best of the fixed policies run (none, mtp1, fixed-K) and over "
+               f"none, paired within each of {cfg.repeats} repeat(s): median [min, max]\n\n"
+               + markdown_table(["C", "async / best fixed", "async / none"],
+                                [[r["concurrency"], _span(r["vs_best_fixed"]), _span(r["vs_none"])] for r in paired])
+               + "\n")
     if matched:
         others = [p for p in dict.fromkeys(c["policy"] for c in cells) if p != "mtp1"]
         md += ("\nPer-user speed at MTP-1's aggregate throughput, as a multiple of MTP-1's (– : the policy's curve "
@@ -136,6 +161,49 @@ def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_
         r = simulate(profile, traces, policy, loop, seed=0, prefill_chunk=EngineConfig().prefill_chunk)
         cell.update(sim_throughput_tok_s=r.throughput_tps, sim_per_user_tok_s=r.per_user_tps,
                     sim_mean_budget=r.mean_budget, sim_tau=r.tau)
+
+
+def _is_fixed(policy: str) -> bool:
+    return policy in ("none", "mtp1") or policy.startswith("fixed-")
+
+
+def _span(values: list[float] | None) -> str:
+    return "–" if not values else f"{median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
+def median_cells(runs: list[dict]) -> list[dict]:
+    """One cell per (policy, C), in first-seen order: the median of every numeric field over repeats, plus the
+    throughput's min and max and the number of repeats."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["policy"], r["concurrency"]), []).append(r)
+    order = {p: i for i, p in enumerate(dict.fromkeys(r["policy"] for r in runs))}
+    cells = []
+    for (policy, c), rs in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
+        cell = {k: median(r[k] for r in rs) for k, v in rs[0].items()
+                if isinstance(v, (int, float)) and k not in ("concurrency", "repeat")}
+        thr = [r["throughput_tok_s"] for r in rs]
+        cells.append({"policy": policy, "concurrency": c, **cell, "throughput_min": min(thr),
+                      "throughput_max": max(thr), "repeats": len(rs)})
+    return cells
+
+
+def paired_ratios(runs: list[dict], policy: str = "async") -> list[dict]:
+    """Per concurrency, `policy`'s throughput over the best fixed policy (none, mtp1, fixed-K) and over none, each
+    ratio taken within one repeat (cells run back to back), listed over repeats."""
+    by = {(r["policy"], r["concurrency"], r.get("repeat", 0)): r["throughput_tok_s"] for r in runs}
+    rows = []
+    for c in dict.fromkeys(r["concurrency"] for r in runs):
+        best, none = [], []
+        for rep in sorted({k[2] for k in by if k[0] == policy and k[1] == c}):
+            fixed = [v for (p, cc, rr), v in by.items() if cc == c and rr == rep and _is_fixed(p)]
+            mine = by[(policy, c, rep)]
+            if fixed:
+                best.append(mine / max(fixed))
+            if ("none", c, rep) in by:
+                none.append(mine / by[("none", c, rep)])
+        rows.append({"concurrency": c, "vs_best_fixed": best, "vs_none": none})
+    return rows
 
 
 def per_user_at_matched_throughput(cells: list[dict], reference: str = "mtp1") -> list[dict]:
