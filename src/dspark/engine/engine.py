@@ -17,6 +17,7 @@ from ..decoding.batch import verify_requests
 from ..drafters.base import Drafter
 from ..models.transformer import Segment, Transformer
 from .detok import update_text
+from .draft_feed import DraftFeed
 from .request import Request, RequestOutput, Status
 from .stats import EngineStats
 from .step_plan import StepPlan, plan_step
@@ -54,6 +55,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.last_plan: StepPlan | None = None
         self.stats = EngineStats(gamma=config.gamma)
+        self.feed = DraftFeed(drafter)
+        self._failed: list[RequestOutput] = []  # requests failed by a deferred feed during planning
 
     # ------------------------------------------------------------------ intake
     def add_request(self, prompt: list[int], params: SamplingParams, stop_strings=(), request_id=None) -> Request:
@@ -99,6 +102,7 @@ class Engine:
         self.kv_reserved -= req.reserved
         req.reserved = 0
         if self.drafter is not None:
+            self.feed.drop(req)
             self.drafter.release(req.draft)
         self.requests.pop(req.request_id, None)
 
@@ -109,8 +113,15 @@ class Engine:
         self._admit()
         if not self.running:
             return outputs
-        plan = plan_step(self.running, self.drafter, self.policy, self.config, self.model.config.max_position)
+        plan = plan_step(self.running, self.drafter, self.policy, self.config, self.model.config.max_position,
+                         before_draft=lambda reqs: self.feed.flush(reqs, self._fail_in_plan))
         self.last_plan = plan
+        if self._failed:
+            outputs += self._failed
+            self._failed = []
+            self.running = [r for r in self.running if not r.finished]
+            if not len(plan.tokens):
+                return outputs
         t_forward = time.perf_counter()
         try:
             out = self.model.forward(plan.tokens, plan.segments, logit_rows=plan.logit_rows,
@@ -118,6 +129,7 @@ class Engine:
         except Exception as exc:  # a failed shared forward fails the requests in it, not the engine
             for req in plan.decoding + plan.prefilling:
                 self._fail(req, exc, outputs)
+            self.running = [r for r in self.running if not r.finished]
             return outputs
         forward_s = time.perf_counter() - t_forward
         self._observed: list[tuple[Request, int, int]] = []
@@ -196,16 +208,14 @@ class Engine:
         return torch.tensor([int(t) in stops for t in drafts.tolist()], dtype=torch.bool)
 
     def _feed_drafter(self, out) -> None:
-        """Hand the drafter the target states of every token committed this step (one batched call)."""
+        """Keep the target states of every token committed this step for the drafter (fed before it drafts)."""
         live = [(r, first, n) for r, first, n in self._observed if not r.finished]
-        if self.drafter is None or not out.hidden or not live:
+        if not self.feed.active or not out.hidden or not live:
             return
-        try:
-            self.drafter.observe_batch([r.draft for r, _, _ in live], out.hidden, [f for _, f, _ in live],
-                                       [n for _, _, n in live])
-        except Exception as exc:
-            for req, _, _ in live:
-                self._fail(req, exc, [])
+        self.feed.stash(live, out.hidden, lambda req, exc: self._fail(req, exc, []))
+
+    def _fail_in_plan(self, req: Request, exc: Exception) -> None:
+        self._fail(req, exc, self._failed)
 
     def _emit(self, req: Request, tokens: list[int]) -> RequestOutput:
         if req.first_token_at is None:

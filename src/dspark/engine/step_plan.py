@@ -34,17 +34,22 @@ class StepPlan:
         return int(self.lengths.sum()) + len(self.decoding) if self.decoding else 0
 
 
-def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: int):
+def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: int, before_draft):
     R = len(decoding)
     drafts, lengths = torch.zeros(R, gamma, dtype=torch.long), torch.zeros(R, dtype=torch.long)
     if R == 0:  # nothing to draft for; stateful policies must not record an empty step
-        return drafts, lengths, None, None, None, 0.0
+        return decoding, drafts, lengths, None, None, None, 0.0
     if drafter is None or not policy.prepare(R):
         policy.select(None, n_requests=R, gamma=gamma)  # keeps stateful policies in step
-        return drafts, lengths, None, None, None, 0.0
+        return decoding, drafts, lengths, None, None, None, 0.0
     t0 = time.perf_counter()
+    if before_draft is not None:  # the engine feeds deferred target states (engine/draft_feed.py)
+        before_draft(decoding)
+        decoding = [r for r in decoding if not r.finished]  # a failed feed fails its requests only
+        if not decoding:
+            return decoding, drafts[:0], lengths[:0], None, None, None, time.perf_counter() - t0
     proposal = drafter.propose([r.draft for r in decoding])
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0  # feeding included: it is the drafter's model work
     conf = None if proposal.confidences is None else proposal.confidences.double().numpy()
     chosen = torch.as_tensor(np.asarray(policy.select(conf, n_requests=R, gamma=gamma)), dtype=torch.long)
     room = torch.tensor([min(r.params.max_new_tokens - len(r.output), max_position - r.num_tokens) - 1
@@ -52,13 +57,15 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
     lengths = torch.minimum(torch.minimum(chosen, proposal.num_tokens), room.clamp(min=0))
     raw = getattr(proposal, "confidence_logits", None)
     raw = None if raw is None else raw[:, :gamma].double().numpy()
-    return proposal.tokens[:, :gamma], lengths, proposal.probs, conf, raw, seconds
+    return decoding, proposal.tokens[:, :gamma], lengths, proposal.probs, conf, raw, seconds
 
 
-def plan_step(running: list[Request], drafter, policy, config, max_position: int) -> StepPlan:
+def plan_step(running: list[Request], drafter, policy, config, max_position: int, before_draft=None) -> StepPlan:
+    """before_draft(decoding requests) runs only when the drafter will propose this step."""
     decoding = [r for r in running if r.status is Status.DECODE]
     prefilling = [r for r in running if r.status is Status.PREFILL]
-    drafts, lengths, probs, conf, raw, seconds = _draft(decoding, drafter, policy, config.gamma, max_position)
+    decoding, drafts, lengths, probs, conf, raw, seconds = _draft(decoding, drafter, policy, config.gamma,
+                                                                  max_position, before_draft)
     pieces, segments, logit_rows = [], [], []
     plan = StepPlan(tokens=torch.empty(0), segments=segments, logit_rows=torch.empty(0), decoding=decoding,
                     drafts=drafts, lengths=lengths, draft_probs=probs, confidences=conf, confidence_logits=raw,

@@ -1,0 +1,88 @@
+"""Deferred drafter feeding (engine/draft_feed.py): the drafter sees the same context as with per-step feeding,
+memory per request stays bounded, and a failing feed fails its requests only."""
+import numpy as np
+import pytest
+import torch
+
+from dspark.decoding import SamplingParams
+from dspark.engine.engine import Engine, EngineConfig
+from dspark_testlib import tiny_drafter, tiny_target
+from test_dspark_exactness import plain_greedy
+
+PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [5, 17, 33, 2, 9], [40, 41]]
+
+
+class EveryThird:
+    """Drafts (and verifies k) on every third step only: two steps of committed tokens wait between proposals."""
+
+    def __init__(self, k: int):
+        self.k, self.step, self.drafting = k, 0, False
+
+    def prepare(self, n_requests: int) -> bool:
+        self.drafting = self.step % 3 == 2
+        return self.drafting
+
+    def select(self, c=None, *, n_requests=None, gamma=None):
+        self.step += 1
+        return np.full(n_requests if c is None else len(c), self.k if self.drafting else 0)
+
+
+def run(max_pending: int, policy, n_tokens: int = 24, drafter=None):
+    target = tiny_target(seed=4, scale=6.0)
+    drafter = drafter or tiny_drafter(target, head="markov", block=4)
+    engine = Engine(target, None, drafter, policy, (), EngineConfig(gamma=4, prefill_chunk=6))
+    engine.feed.max_pending = max_pending
+    params = SamplingParams(temperature=0, max_new_tokens=n_tokens, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in PROMPTS]
+    drafts, held = [], []
+    while engine.has_unfinished():
+        engine.step()
+        plan = engine.last_plan
+        if plan.decoding and plan.propose_seconds:
+            drafts.append({r.request_id[4:]: plan.drafts[i].tolist() for i, r in enumerate(plan.decoding)})
+        held.append(max((sum(c.shape[0] for c in ch) for ch in engine.feed.pending.values()), default=0))
+    return target, engine, reqs, drafts, held
+
+
+def test_deferred_feeding_drafts_what_per_step_feeding_drafts():
+    """max_pending = 1 feeds after every forward (the old behaviour); the default defers to the next proposal."""
+    target, _, eager_reqs, eager, _ = run(max_pending=1, policy=EveryThird(4))
+    _, _, lazy_reqs, lazy, held = run(max_pending=64, policy=EveryThird(4))
+    assert len(lazy) >= 4 and [list(d.values()) for d in lazy] == [list(d.values()) for d in eager]
+    assert max(held) > 1  # rows really waited between proposals
+    for prompt, a, b in zip(PROMPTS, eager_reqs, lazy_reqs):
+        assert a.error is None and b.error is None
+        assert a.output == b.output == plain_greedy(target, prompt, 24)
+    assert sum(r.accepted for r in lazy_reqs) > 0
+
+
+def test_pending_rows_are_bounded_when_the_drafter_never_runs():
+    from dspark.scheduling.registry import make_policy
+
+    _, engine, reqs, drafts, held = run(max_pending=5, policy=make_policy("none"), n_tokens=30)
+    assert not drafts and max(held) < 5
+    assert all(r.error is None and len(r.output) == 30 for r in reqs)
+    assert not engine.feed.pending  # finished requests leave nothing behind
+
+
+def test_a_failing_feed_fails_the_requests_it_fed_and_the_engine_goes_on():
+    target = tiny_target(seed=4, scale=6.0)
+    drafter = tiny_drafter(target, head="markov", block=4)
+    real, calls = drafter.observe_batch, []
+
+    def flaky(requests, *args, **kwargs):
+        calls.append(len(requests))
+        if len(calls) == 2:
+            raise RuntimeError("drafter out of memory")
+        return real(requests, *args, **kwargs)
+
+    drafter.observe_batch = flaky
+    _, engine, reqs, _, _ = run(max_pending=64, policy=EveryThird(2), drafter=drafter)
+    failed = [r for r in reqs if r.finish_reason == "error"]
+    assert failed and all("out of memory" in r.error for r in failed)
+    assert len(failed) == calls[1]
+    assert not engine.running and engine.kv_reserved == 0
+    later = engine.add_request([7, 8, 9], SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert later.error is None and later.output == plain_greedy(target, [7, 8, 9], 10)
