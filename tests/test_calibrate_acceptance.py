@@ -213,3 +213,34 @@ def test_bench_serve_interleaves_repeats(tiny, tmp_path, monkeypatch):
     assert "async / best fixed" in (tmp_path / "out" / "serving.md").read_text()
     with pytest.raises(ValueError, match="repeats >= 1"):
         serving.ServeBenchConfig(repeats=0)
+
+
+def test_serve_cell_counts_requests_still_running_at_its_end(tiny, monkeypatch):
+    """At high concurrency a 12 s cell can end before any request finishes: speed and τ then come from the
+    requests still running (their tokens so far over their time so far), not from an empty list."""
+    import dspark.bench.serving as serving
+    from dspark.decoding import SamplingParams
+    from dspark.engine.engine import Engine, EngineConfig
+    from dspark.scheduling.registry import make_policy
+
+    root, loaded, paths, _ = tiny
+    drafter = make_drafter(str(paths["dspark"]), target=loaded.model)
+    engine = Engine(loaded.model, None, drafter, make_policy("fixed-4"), (), EngineConfig(gamma=4))
+    steps = {"n": 0}
+    real_step = engine.step
+
+    def step():  # end the cell after 6 steps: the clock jumps 1,000 s ahead and stays there
+        steps["n"] += 1
+        if steps["n"] == 6:
+            frozen = serving.time.perf_counter() + 1000.0
+            monkeypatch.setattr(serving.time, "perf_counter", lambda: frozen)
+        return real_step()
+
+    engine.step = step
+    params = SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True)
+    cell = serving.run_cell(engine, [[5, 6, 7, 8], [9, 10, 11]], 3, params, seconds=100.0)
+    monkeypatch.undo()
+    assert cell["finished_requests"] == 0
+    # Each request made 4-5 rounds of up to 5 tokens in ~1,000 s; before, both were NaN / 0 with nothing finished.
+    assert 0.001 < cell["per_user_tok_s"] < 0.05 and 1.0 <= cell["tau"] <= 5.0
+    assert not engine.running and engine.kv_reserved == 0

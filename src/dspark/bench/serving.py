@@ -61,19 +61,22 @@ def run_cell(engine: Engine, prompts: list[list[int]], concurrency: int, params:
             if req.finished:
                 done.append(req)
                 live[i] = engine.add_request(next(feed), params)
-    elapsed = time.perf_counter() - t_start
+    t_end = time.perf_counter()
+    elapsed = t_end - t_start
     produced = sum(len(r.output) for r in done) + sum(len(r.output) for r in live)
+    # Requests still running at the end count too: at high concurrency a cell can end before any finishes.
+    seen = done + [r for r in live if r.rounds]
+    per_user = [len(r.output) / ((r.finished_at or t_end) - r.arrival) for r in seen]  # before the aborts below
     for req in live:
         engine.abort(req.request_id)
     engine.step()  # reap the aborted requests: the next cell starts from an empty engine
     decode_steps = engine.stats.decode_requests_total - decode0
     step_s, forward_s, drafter_s = (now - before for now, before in zip(
         (s.step_seconds_total, s.forward_seconds_total, s.drafter_seconds_total), time0))
-    per_user = [len(r.output) / (r.finished_at - r.arrival) for r in done if r.finished_at > r.arrival]
     return {"concurrency": concurrency, "finished_requests": len(done), "seconds": elapsed,
             "throughput_tok_s": produced / elapsed, "per_user_tok_s": median(per_user),
             "mean_verify_budget": (engine.stats.verify_budget_total - budget0) / decode_steps if decode_steps else 0,
-            "tau": (sum(r.accepted + r.rounds for r in done) / max(1, sum(r.rounds for r in done))),
+            "tau": (sum(r.accepted + r.rounds for r in seen) / max(1, sum(r.rounds for r in seen))),
             "steps": engine.stats.steps - steps0,
             # share of step time outside the target and drafter forwards: the engine's own overhead
             "overhead_fraction": max(0.0, 1 - (forward_s + drafter_s) / step_s) if step_s else 0.0,
