@@ -244,3 +244,28 @@ def test_serve_cell_counts_requests_still_running_at_its_end(tiny, monkeypatch):
     # Each request made 4-5 rounds of up to 5 tokens in ~1,000 s; before, both were NaN / 0 with nothing finished.
     assert 0.001 < cell["per_user_tok_s"] < 0.05 and 1.0 <= cell["tau"] <= 5.0
     assert not engine.running and engine.kv_reserved == 0
+
+
+def test_serve_cell_warm_up_measures_after_the_first_wave(tiny):
+    """With a warm-up the cell starts measuring once every client's first request has finished; tokens made
+    before that are not counted."""
+    import dspark.bench.serving as serving
+    from dspark.decoding import SamplingParams
+    from dspark.engine.engine import Engine, EngineConfig
+    from dspark.scheduling.registry import make_policy
+
+    root, loaded, _, _ = tiny
+    engine = Engine(loaded.model, None, None, make_policy("none"), (), EngineConfig(gamma=4))
+    added = []
+    real_add = engine.add_request
+    engine.add_request = lambda *a, **k: added.append(real_add(*a, **k)) or added[-1]
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    cell = serving.run_cell(engine, [[5, 6, 7, 8], [9, 10, 11]], 3, params, seconds=0.3, warmup=60.0)
+    first_wave = added[:3]
+    assert all(r.finish_reason == "length" for r in first_wave)
+    # Everything produced inside the window: later requests only (each first-wave request finished before it).
+    later = added[3:]
+    assert cell["throughput_tok_s"] * cell["seconds"] <= sum(len(r.output) for r in later) + 1e-9
+    assert cell["throughput_tok_s"] > 0 and cell["finished_requests"] >= 1
+    with pytest.raises(ValueError, match="warmup >= 0"):
+        serving.ServeBenchConfig(warmup_s=-1)

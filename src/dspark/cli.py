@@ -94,6 +94,9 @@ def add_bench(sub) -> None:
     s.add_argument("--seconds", type=float, default=20.0, help="wall-clock seconds per (policy, concurrency) cell")
     s.add_argument("--repeats", type=int, default=1,
                    help="run every cell this many times, interleaved; report medians and paired ratios")
+    s.add_argument("--warmup", type=float, default=0.0,
+                   help="per cell, first run the loop until every client's first request has finished (at most this "
+                        "many seconds), then measure: the steady state instead of the start-up wave")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--traces", type=Path, default=None,
                    help="acceptance traces of this drafter (traces.npz from `dspark calibrate`): also simulate every "
@@ -147,7 +150,7 @@ def run_bench_serve(args) -> int:
                          policies=tuple(args.policies.split(",")),
                          concurrency=tuple(int(c) for c in args.concurrency.split(",")),
                          max_new_tokens=args.max_new_tokens, seconds_per_cell=args.seconds, repeats=args.repeats,
-                         temperature=args.temperature, out=args.out, traces=args.traces))
+                         warmup_s=args.warmup, temperature=args.temperature, out=args.out, traces=args.traces))
     return 0
 
 

@@ -35,49 +35,66 @@ class ServeBenchConfig:
     max_new_tokens: int = 96
     seconds_per_cell: float = 20.0
     repeats: int = 1
+    warmup_s: float = 0.0  # per cell: run until the first wave of requests finished (at most this long), then measure
     temperature: float = 0.0
     out: Path = field(default=Path("results/serving"))
     traces: Path | None = None  # acceptance traces of this drafter: also simulate each cell (see `simulated`)
 
     def __post_init__(self):
-        if self.repeats < 1 or self.seconds_per_cell <= 0 or not self.policies or not self.concurrency \
-                or min(self.concurrency) < 1:
-            raise ValueError("bench serve needs repeats >= 1, seconds > 0, at least one policy and concurrency "
-                             f"levels >= 1 (got repeats={self.repeats}, seconds={self.seconds_per_cell}, "
-                             f"policies={self.policies}, concurrency={self.concurrency})")
+        if self.repeats < 1 or self.seconds_per_cell <= 0 or self.warmup_s < 0 or not self.policies \
+                or not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError("bench serve needs repeats >= 1, seconds > 0, warmup >= 0, at least one policy and "
+                             f"concurrency levels >= 1 (got repeats={self.repeats}, seconds={self.seconds_per_cell}, "
+                             f"warmup={self.warmup_s}, policies={self.policies}, concurrency={self.concurrency})")
 
 
 def run_cell(engine: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams,
-             seconds: float) -> dict:
+             seconds: float, warmup: float = 0.0) -> dict:
+    """Closed loop: `concurrency` clients, each sending its next prompt as soon as its request finishes.
+
+    With `warmup` > 0 the loop first runs until every client's first request has finished (at most `warmup`
+    seconds) and only then measures: otherwise a cell at high concurrency measures the start-up wave (all
+    prefills at once, no request finished) instead of the steady state, and that transient varied ±15 %
+    between repeats on the dev machine at C = 32."""
     feed = itertools.cycle(prompts)
     live = [engine.add_request(next(feed), params) for _ in range(concurrency)]
-    done, t_start, steps0 = [], time.perf_counter(), engine.stats.steps
-    budget0, decode0 = engine.stats.verify_budget_total, engine.stats.decode_requests_total
+    first_wave = {r.request_id for r in live}
+
+    def advance(until: float, stop_early=lambda: False) -> list:
+        finished = []
+        while time.perf_counter() < until and not stop_early():
+            engine.step()
+            for i, req in enumerate(live):
+                if req.finished:
+                    finished.append(req)
+                    live[i] = engine.add_request(next(feed), params)
+        return finished
+
+    if warmup > 0:
+        advance(time.perf_counter() + warmup, lambda: not first_wave & {r.request_id for r in live})
+    before = {r.request_id: len(r.output) for r in live}  # tokens produced before the measurement
     s = engine.stats
+    steps0, budget0, decode0 = s.steps, s.verify_budget_total, s.decode_requests_total
     time0 = (s.step_seconds_total, s.forward_seconds_total, s.drafter_seconds_total)
-    while time.perf_counter() - t_start < seconds:
-        engine.step()
-        for i, req in enumerate(live):
-            if req.finished:
-                done.append(req)
-                live[i] = engine.add_request(next(feed), params)
+    t_start = time.perf_counter()
+    done = advance(t_start + seconds)
     t_end = time.perf_counter()
     elapsed = t_end - t_start
-    produced = sum(len(r.output) for r in done) + sum(len(r.output) for r in live)
+    produced = sum(len(r.output) - before.get(r.request_id, 0) for r in done + live)
     # Requests still running at the end count too: at high concurrency a cell can end before any finishes.
     seen = done + [r for r in live if r.rounds]
     per_user = [len(r.output) / ((r.finished_at or t_end) - r.arrival) for r in seen]  # before the aborts below
     for req in live:
         engine.abort(req.request_id)
     engine.step()  # reap the aborted requests: the next cell starts from an empty engine
-    decode_steps = engine.stats.decode_requests_total - decode0
-    step_s, forward_s, drafter_s = (now - before for now, before in zip(
+    decode_steps = s.decode_requests_total - decode0
+    step_s, forward_s, drafter_s = (now - before_s for now, before_s in zip(
         (s.step_seconds_total, s.forward_seconds_total, s.drafter_seconds_total), time0))
     return {"concurrency": concurrency, "finished_requests": len(done), "seconds": elapsed,
             "throughput_tok_s": produced / elapsed, "per_user_tok_s": median(per_user),
-            "mean_verify_budget": (engine.stats.verify_budget_total - budget0) / decode_steps if decode_steps else 0,
+            "mean_verify_budget": (s.verify_budget_total - budget0) / decode_steps if decode_steps else 0,
             "tau": (sum(r.accepted + r.rounds for r in seen) / max(1, sum(r.rounds for r in seen))),
-            "steps": engine.stats.steps - steps0,
+            "steps": s.steps - steps0,
             # share of step time outside the target and drafter forwards: the engine's own overhead
             "overhead_fraction": max(0.0, 1 - (forward_s + drafter_s) / step_s) if step_s else 0.0,
             "drafter_fraction": drafter_s / step_s if step_s else 0.0}
@@ -98,7 +115,8 @@ def run(cfg: ServeBenchConfig) -> dict:
     for rep in range(cfg.repeats):
         for c in cfg.concurrency:
             for name, engine in engines.items():
-                cell = {"policy": name, "repeat": rep, **run_cell(engine, prompts, c, params, cfg.seconds_per_cell)}
+                cell = {"policy": name, "repeat": rep,
+                        **run_cell(engine, prompts, c, params, cfg.seconds_per_cell, cfg.warmup_s)}
                 runs.append(cell)
                 print(f"#{rep} {name:10s} C={c:3d}: {cell['throughput_tok_s']:7.1f} tok/s aggregate, "
                       f"{cell['per_user_tok_s']:6.1f} tok/s per user, budget {cell['mean_verify_budget']:.2f}, "
@@ -113,7 +131,9 @@ def run(cfg: ServeBenchConfig) -> dict:
             "async_paired_ratios": paired, "runs": runs}
     sim = cfg.traces is not None
     md = (f"# Serving benchmark ({cfg.model}, drafter {cfg.drafter}, T={cfg.temperature:g}, "
-          f"{cfg.max_new_tokens} new tokens, {cfg.seconds_per_cell:g} s per cell, {cfg.repeats} repeat(s), "
+          f"{cfg.max_new_tokens} new tokens, {cfg.seconds_per_cell:g} s per cell"
+          + (f" after up to {cfg.warmup_s:g} s of warm-up (first wave)" if cfg.warmup_s else "")
+          + f", {cfg.repeats} repeat(s), "
           f"medians)\n\n"
           + markdown_table(["policy", "C", "tok/s", "tok/s range", "per-user tok/s", "verify budget", "tau",
                             "finished", "drafter % of step", "engine overhead % of step"]
