@@ -26,6 +26,7 @@ class DraftFeed:
         self.layers = tuple(drafter.needs_layers) if drafter is not None else ()
         self.max_pending = max_pending
         self.pending: dict[str, list[torch.Tensor]] = {}  # request id -> chunks [n, m, d], in position order
+        self.held: dict[str, int] = {}  # request id -> rows pending
 
     @property
     def active(self) -> bool:
@@ -34,12 +35,13 @@ class DraftFeed:
     def stash(self, observed: list[tuple[Request, int, int]], hidden: dict[int, torch.Tensor],
               on_error: ON_ERROR) -> None:
         """observed: (request, first row, count) of the tokens each request committed in this forward."""
+        rows = torch.cat([torch.arange(first, first + n) for _, first, n in observed])  # [M] rows of the forward
+        states = torch.stack([hidden[layer][rows] for layer in self.layers], dim=1)  # [M, m, d]: one copy
         full = []
-        for req, first, n in observed:
-            rows = torch.stack([hidden[layer][first: first + n] for layer in self.layers], dim=1)  # [n, m, d]
-            chunks = self.pending.setdefault(req.request_id, [])
-            chunks.append(rows)
-            if sum(c.shape[0] for c in chunks) >= self.max_pending:
+        for (req, _, n), chunk in zip(observed, states.split([n for _, _, n in observed])):
+            self.pending.setdefault(req.request_id, []).append(chunk)
+            self.held[req.request_id] = self.held.get(req.request_id, 0) + n
+            if self.held[req.request_id] >= self.max_pending:
                 full.append(req)
         self.flush(full, on_error)
 
@@ -49,6 +51,8 @@ class DraftFeed:
         if not todo:
             return
         chunks = [torch.cat(self.pending.pop(r.request_id)) for r in todo]  # per request [n_r, m, d]
+        for r in todo:
+            del self.held[r.request_id]
         states = torch.cat(chunks)  # [M, m, d]
         counts = [c.shape[0] for c in chunks]
         offsets = [sum(counts[:i]) for i in range(len(counts))]
@@ -61,3 +65,4 @@ class DraftFeed:
 
     def drop(self, request: Request) -> None:
         self.pending.pop(request.request_id, None)
+        self.held.pop(request.request_id, None)
