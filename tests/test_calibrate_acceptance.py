@@ -196,7 +196,8 @@ def test_repeated_cells_give_medians_and_paired_ratios_hand_worked():
     assert row["vs_none"] == pytest.approx([1.1, 1.05, 1.0])
 
 
-def test_bench_serve_interleaves_repeats(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("sequential", [False, True])
+def test_bench_serve_interleaves_repeats(tiny, tmp_path, monkeypatch, sequential):
     import dspark.bench.serving as serving
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
@@ -204,11 +205,12 @@ def test_bench_serve_interleaves_repeats(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(serving, "load_bench_prompts", lambda sets, n: [("x", f"count to {i}") for i in range(4)])
     cfg = serving.ServeBenchConfig(model=str(root / "target"), drafter=str(paths["dspark"]), gamma=4,
                                    policies=("none", "fixed-4", "async"), concurrency=(1, 2), max_new_tokens=8,
-                                   seconds_per_cell=0.2, repeats=2, out=tmp_path / "out")
+                                   seconds_per_cell=0.2, repeats=2, out=tmp_path / "out", sequential=sequential)
     data = serving.run(cfg)
     order = [(r["repeat"], r["concurrency"], r["policy"]) for r in data["runs"]]
     assert order == [(rep, c, p) for rep in (0, 1) for c in (1, 2) for p in cfg.policies]
     assert len(data["cells"]) == 6 and all(c["repeats"] == 2 for c in data["cells"])
+    assert all(r["seconds"] >= 0.2 and r["steps"] > 0 for r in data["runs"])
     assert [len(r["vs_best_fixed"]) for r in data["async_paired_ratios"]] == [2, 2]
     assert "async / best fixed" in (tmp_path / "out" / "serving.md").read_text()
     with pytest.raises(ValueError, match="repeats >= 1"):
@@ -218,6 +220,7 @@ def test_bench_serve_interleaves_repeats(tiny, tmp_path, monkeypatch):
 def test_serve_cell_counts_requests_still_running_at_its_end(tiny, monkeypatch):
     """At high concurrency a 12 s cell can end before any request finishes: speed and τ then come from the
     requests still running (their tokens so far over their time so far), not from an empty list."""
+    import dspark.bench.closed_loop as closed_loop
     import dspark.bench.serving as serving
     from dspark.decoding import SamplingParams
     from dspark.engine.engine import Engine, EngineConfig
@@ -232,8 +235,8 @@ def test_serve_cell_counts_requests_still_running_at_its_end(tiny, monkeypatch):
     def step():  # end the cell after 6 steps: the clock jumps 1,000 s ahead and stays there
         steps["n"] += 1
         if steps["n"] == 6:
-            frozen = serving.time.perf_counter() + 1000.0
-            monkeypatch.setattr(serving.time, "perf_counter", lambda: frozen)
+            frozen = closed_loop.time.perf_counter() + 1000.0
+            monkeypatch.setattr(closed_loop.time, "perf_counter", lambda: frozen)
         return real_step()
 
     engine.step = step
@@ -269,3 +272,45 @@ def test_serve_cell_warm_up_measures_after_the_first_wave(tiny):
     assert cell["throughput_tok_s"] > 0 and cell["finished_requests"] >= 1
     with pytest.raises(ValueError, match="warmup >= 0"):
         serving.ServeBenchConfig(warmup_s=-1)
+
+
+def test_interleaved_loops_keep_their_own_clocks_and_outputs(tiny):
+    """Policies' closed loops stepped in turn share the target and the drafter but nothing else: every finished
+    request's greedy output equals plain decoding of its prompt, each loop measures at least its budget of its own
+    time, and the loops' clocks together never exceed the wall time they ran in."""
+    import time
+
+    from dspark.bench.closed_loop import ClosedLoop, run_loops
+    from dspark.decoding import SamplingParams
+    from dspark.engine import Generation, TransformerTarget
+    from dspark.engine.engine import Engine, EngineConfig
+    from dspark.scheduling.registry import make_policy
+
+    root, loaded, paths, _ = tiny
+    drafter = make_drafter(str(paths["dspark"]), target=loaded.model)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 3, 4, 5, 6], [7, 7, 8]]
+    params = SamplingParams(temperature=0, max_new_tokens=7, ignore_eos=True)
+    engines = [Engine(loaded.model, None, drafter if p != "none" else None, make_policy(p), (), EngineConfig(gamma=4))
+               for p in ("none", "fixed-4", "fixed-2")]
+    added = {i: [] for i in range(len(engines))}
+    for i, engine in enumerate(engines):
+        real_add = engine.add_request
+        engine.add_request = lambda *a, _add=real_add, _i=i, **k: added[_i].append(_add(*a, **k)) or added[_i][-1]
+    loops = [ClosedLoop(e, prompts, 3, params) for e in engines]
+    t0 = time.perf_counter()
+    cells = run_loops(loops, seconds=0.3, warmup=5.0)
+    wall = time.perf_counter() - t0
+    assert all(loop.measured_seconds >= 0.3 for loop in loops)
+    assert sum(loop.clock for loop in loops) <= wall
+    assert all(c["finished_requests"] >= 1 and c["throughput_tok_s"] > 0 for c in cells)
+    reference = {}
+    for reqs in added.values():
+        for req in (r for r in reqs if r.finish_reason == "length"):
+            key = tuple(req.prompt)
+            if key not in reference:
+                plain = Generation(TransformerTarget(loaded.model), None, list(key), params)
+                reference[key] = [t for chunk in plain for t in chunk]
+            assert req.output == reference[key]
+    assert len(reference) == len(prompts)
+    assert cells[1]["tau"] > 1.0 and cells[0]["tau"] == 1.0
+    assert all(not e.running and e.kv_reserved == 0 for e in engines)

@@ -91,13 +91,17 @@ def add_bench(sub) -> None:
     s.add_argument("--policies", default="none,mtp1,fixed-3,fixed-7")
     s.add_argument("--concurrency", default="1,2,4,8,16,32")
     s.add_argument("--max-new-tokens", type=int, default=96)
-    s.add_argument("--seconds", type=float, default=20.0, help="wall-clock seconds per (policy, concurrency) cell")
+    s.add_argument("--seconds", type=float, default=20.0,
+                   help="seconds of each policy's own stepping time per (policy, concurrency) cell")
     s.add_argument("--repeats", type=int, default=1,
                    help="run every cell this many times, interleaved; report medians and paired ratios")
     s.add_argument("--warmup", type=float, default=0.0,
                    help="per cell, first run the loop until every client's first request has finished (at most this "
                         "many seconds), then measure: the steady state instead of the start-up wave")
     s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--sequential", action="store_true",
+                   help="run each policy's cell alone, one after another (default: step every policy's clients in "
+                        "turn, each timed on its own clock, so machine speed drift hits all policies alike)")
     s.add_argument("--traces", type=Path, default=None,
                    help="acceptance traces of this drafter (traces.npz from `dspark calibrate`): also simulate every "
                         "cell from this machine's speed profile and print simulated beside measured")
@@ -150,7 +154,8 @@ def run_bench_serve(args) -> int:
                          policies=tuple(args.policies.split(",")),
                          concurrency=tuple(int(c) for c in args.concurrency.split(",")),
                          max_new_tokens=args.max_new_tokens, seconds_per_cell=args.seconds, repeats=args.repeats,
-                         warmup_s=args.warmup, temperature=args.temperature, out=args.out, traces=args.traces))
+                         warmup_s=args.warmup, temperature=args.temperature, out=args.out, traces=args.traces,
+                         sequential=args.sequential))
     return 0
 
 

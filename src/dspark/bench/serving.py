@@ -1,15 +1,15 @@
 """`dspark bench serve`: closed-loop serving throughput vs per-user speed for each verification policy.
 
 In-process (no HTTP) so the numbers are the engine's: C clients each keep one request in flight; when one
-finishes the next prompt starts. Every (policy, C) cell runs for a fixed wall-clock budget after a warm-up.
-With `repeats` > 1 the cells are interleaved — each repeat visits every concurrency and, within it, every policy
-back to back — so slow drift of a noisy machine hits the policies compared at one C alike; cells report medians
-over repeats, and `paired_ratios` compares the scheduler with the best fixed policy repeat by repeat.
+finishes the next prompt starts (`closed_loop.py`). At each concurrency every policy's clients run at once, their
+engines stepped in turn and each timed on its own clock, for a fixed budget of that clock after an optional
+warm-up; so a machine whose speed drifts (the dev VM switches between modes ~20 % apart for seconds at a time)
+slows all policies alike. `sequential` runs the cells one after another instead. With `repeats` > 1 each repeat
+visits every concurrency again; cells report medians over repeats, and `paired_ratios` compares the scheduler
+with the best fixed policy repeat by repeat.
 """
 from __future__ import annotations
 
-import itertools
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from ..engine.engine import Engine, EngineConfig
 from ..engine.llm import build_policy
 from ..generate import prompt_ids
 from ..models import load_model
+from .closed_loop import ClosedLoop, run_cell, run_loops  # noqa: F401 (run_cell: one policy alone)
 from .common import load_bench_prompts, machine_info, markdown_table, median, write_results
 
 ALL_SETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench", "arena-hard-v2")
@@ -39,6 +40,7 @@ class ServeBenchConfig:
     temperature: float = 0.0
     out: Path = field(default=Path("results/serving"))
     traces: Path | None = None  # acceptance traces of this drafter: also simulate each cell (see `simulated`)
+    sequential: bool = False  # run each policy's cell alone instead of stepping all policies' loops in turn
 
     def __post_init__(self):
         if self.repeats < 1 or self.seconds_per_cell <= 0 or self.warmup_s < 0 or not self.policies \
@@ -46,58 +48,6 @@ class ServeBenchConfig:
             raise ValueError("bench serve needs repeats >= 1, seconds > 0, warmup >= 0, at least one policy and "
                              f"concurrency levels >= 1 (got repeats={self.repeats}, seconds={self.seconds_per_cell}, "
                              f"warmup={self.warmup_s}, policies={self.policies}, concurrency={self.concurrency})")
-
-
-def run_cell(engine: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams,
-             seconds: float, warmup: float = 0.0) -> dict:
-    """Closed loop: `concurrency` clients, each sending its next prompt as soon as its request finishes.
-
-    With `warmup` > 0 the loop first runs until every client's first request has finished (at most `warmup`
-    seconds) and only then measures: otherwise a cell at high concurrency measures the start-up wave (all
-    prefills at once, no request finished) instead of the steady state, and that transient varied ±15 %
-    between repeats on the dev machine at C = 32."""
-    feed = itertools.cycle(prompts)
-    live = [engine.add_request(next(feed), params) for _ in range(concurrency)]
-    first_wave = {r.request_id for r in live}
-
-    def advance(until: float, stop_early=lambda: False) -> list:
-        finished = []
-        while time.perf_counter() < until and not stop_early():
-            engine.step()
-            for i, req in enumerate(live):
-                if req.finished:
-                    finished.append(req)
-                    live[i] = engine.add_request(next(feed), params)
-        return finished
-
-    if warmup > 0:
-        advance(time.perf_counter() + warmup, lambda: not first_wave & {r.request_id for r in live})
-    before = {r.request_id: len(r.output) for r in live}  # tokens produced before the measurement
-    s = engine.stats
-    steps0, budget0, decode0 = s.steps, s.verify_budget_total, s.decode_requests_total
-    time0 = (s.step_seconds_total, s.forward_seconds_total, s.drafter_seconds_total)
-    t_start = time.perf_counter()
-    done = advance(t_start + seconds)
-    t_end = time.perf_counter()
-    elapsed = t_end - t_start
-    produced = sum(len(r.output) - before.get(r.request_id, 0) for r in done + live)
-    # Requests still running at the end count too: at high concurrency a cell can end before any finishes.
-    seen = done + [r for r in live if r.rounds]
-    per_user = [len(r.output) / ((r.finished_at or t_end) - r.arrival) for r in seen]  # before the aborts below
-    for req in live:
-        engine.abort(req.request_id)
-    engine.step()  # reap the aborted requests: the next cell starts from an empty engine
-    decode_steps = s.decode_requests_total - decode0
-    step_s, forward_s, drafter_s = (now - before_s for now, before_s in zip(
-        (s.step_seconds_total, s.forward_seconds_total, s.drafter_seconds_total), time0))
-    return {"concurrency": concurrency, "finished_requests": len(done), "seconds": elapsed,
-            "throughput_tok_s": produced / elapsed, "per_user_tok_s": median(per_user),
-            "mean_verify_budget": (s.verify_budget_total - budget0) / decode_steps if decode_steps else 0,
-            "tau": (sum(r.accepted + r.rounds for r in seen) / max(1, sum(r.rounds for r in seen))),
-            "steps": s.steps - steps0,
-            # share of step time outside the target and drafter forwards: the engine's own overhead
-            "overhead_fraction": max(0.0, 1 - (forward_s + drafter_s) / step_s) if step_s else 0.0,
-            "drafter_fraction": drafter_s / step_s if step_s else 0.0}
 
 
 def run(cfg: ServeBenchConfig) -> dict:
@@ -114,9 +64,8 @@ def run(cfg: ServeBenchConfig) -> dict:
     runs = []
     for rep in range(cfg.repeats):
         for c in cfg.concurrency:
-            for name, engine in engines.items():
-                cell = {"policy": name, "repeat": rep,
-                        **run_cell(engine, prompts, c, params, cfg.seconds_per_cell, cfg.warmup_s)}
+            for name, cell in measure(engines, prompts, c, params, cfg):
+                cell = {"policy": name, "repeat": rep, **cell}
                 runs.append(cell)
                 print(f"#{rep} {name:10s} C={c:3d}: {cell['throughput_tok_s']:7.1f} tok/s aggregate, "
                       f"{cell['per_user_tok_s']:6.1f} tok/s per user, budget {cell['mean_verify_budget']:.2f}, "
@@ -163,6 +112,17 @@ def run(cfg: ServeBenchConfig) -> dict:
     plot(cells, cfg.out)
     print(md)
     return data
+
+
+def measure(engines: dict[str, Engine], prompts, concurrency: int, params: SamplingParams,
+            cfg: ServeBenchConfig):
+    """(policy, cell) for every engine at this concurrency: all policies' closed loops stepped in turn (each
+    timed on its own clock), or one after another with `cfg.sequential`."""
+    if cfg.sequential:
+        return [(name, run_cell(engine, prompts, concurrency, params, cfg.seconds_per_cell, cfg.warmup_s))
+                for name, engine in engines.items()]
+    loops = [ClosedLoop(engine, prompts, concurrency, params) for engine in engines.values()]
+    return list(zip(engines, run_loops(loops, cfg.seconds_per_cell, cfg.warmup_s)))
 
 
 def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_tokens: int) -> None:

@@ -1,0 +1,115 @@
+"""Closed-loop clients for `bench serve`: `concurrency` clients on one engine, each sending its next prompt as
+soon as its request finishes.
+
+Time is the engine's own: a loop's clock advances only while it steps its engine (the step plus replacing
+finished requests). So several loops — one per policy — can be stepped in turn, and each still measures its own
+throughput and per-user speed. Stepping them in turn is what makes policies comparable on a noisy machine: on
+the 2-core dev VM a fixed forward switches between speed modes up to 20 % apart for seconds at a time
+(`dspark bench serve --sequential` runs each cell alone, as before), and round-robin steps ~0.1 s apart put
+every policy in the same modes in the same proportion.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+from ..decoding import SamplingParams
+from ..engine.engine import Engine
+from .common import median
+
+
+class ClosedLoop:
+    def __init__(self, engine: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams):
+        self.engine, self.params, self.concurrency = engine, params, concurrency
+        self.feed = itertools.cycle(prompts)  # every loop sends the same prompts in the same order
+        self.clock = 0.0  # seconds this loop has spent stepping its engine
+        self.arrival: dict[str, float] = {}  # request id -> clock at submission
+        self.done: list[tuple] = []  # (request, clock at finish) since `start_measuring`
+        self.live = [self._submit() for _ in range(concurrency)]
+        self.first_wave = {r.request_id for r in self.live}
+        self.start_measuring()
+
+    def _submit(self):
+        req = self.engine.add_request(next(self.feed), self.params)
+        self.arrival[req.request_id] = self.clock
+        return req
+
+    def tick(self) -> None:
+        """One engine step; finished requests are replaced at once (their clients send the next prompt)."""
+        t0 = time.perf_counter()
+        self.engine.step()
+        finished = [(i, req) for i, req in enumerate(self.live) if req.finished]
+        for i, _ in finished:
+            self.live[i] = self._submit()
+        self.clock += time.perf_counter() - t0
+        self.done.extend((req, self.clock) for _, req in finished)
+
+    @property
+    def first_wave_finished(self) -> bool:
+        return not self.first_wave & {r.request_id for r in self.live}
+
+    @property
+    def measured_seconds(self) -> float:
+        return self.clock - self.clock0
+
+    def start_measuring(self) -> None:
+        """Forget what came before: tokens already produced by running requests and the engine's counters."""
+        self.done = []
+        self.before = {r.request_id: len(r.output) for r in self.live}
+        s = self.engine.stats
+        self.clock0 = self.clock
+        self.counters0 = (s.steps, s.verify_budget_total, s.decode_requests_total,
+                          s.step_seconds_total, s.forward_seconds_total, s.drafter_seconds_total)
+
+    def finish(self) -> dict:
+        """The measurement so far; aborts the running requests, so the engine is empty for the next loop."""
+        s, elapsed = self.engine.stats, self.measured_seconds
+        done = [req for req, _ in self.done]
+        produced = sum(len(r.output) - self.before.get(r.request_id, 0) for r in done + self.live)
+        # Requests still running count too: at high concurrency a cell can end before any finishes.
+        running = [r for r in self.live if r.rounds]
+        per_user = ([len(r.output) / (t - self.arrival[r.request_id]) for r, t in self.done]
+                    + [len(r.output) / (self.clock - self.arrival[r.request_id]) for r in running])
+        seen = done + running
+        steps0, budget0, decode0, step_s0, forward_s0, drafter_s0 = self.counters0
+        decode_steps = s.decode_requests_total - decode0
+        step_s = s.step_seconds_total - step_s0
+        models_s = s.forward_seconds_total - forward_s0 + s.drafter_seconds_total - drafter_s0
+        for req in self.live:
+            self.engine.abort(req.request_id)
+        self.engine.step()  # reap the aborted requests
+        return {"concurrency": self.concurrency, "finished_requests": len(done), "seconds": elapsed,
+                "throughput_tok_s": produced / elapsed if elapsed else 0.0,
+                "per_user_tok_s": median(per_user) if per_user else 0.0,
+                "mean_verify_budget": (s.verify_budget_total - budget0) / decode_steps if decode_steps else 0,
+                "tau": sum(r.accepted + r.rounds for r in seen) / max(1, sum(r.rounds for r in seen)),
+                "steps": s.steps - steps0,
+                # share of step time outside the target and drafter forwards: the engine's own overhead
+                "overhead_fraction": max(0.0, 1 - models_s / step_s) if step_s else 0.0,
+                "drafter_fraction": (s.drafter_seconds_total - drafter_s0) / step_s if step_s else 0.0}
+
+
+def run_loops(loops: list[ClosedLoop], seconds: float, warmup: float = 0.0) -> list[dict]:
+    """Step the loops in turn until each has measured `seconds` of its own time.
+
+    With `warmup` > 0 each loop first runs until every client's first request has finished (at most `warmup` of
+    its own seconds) and only then measures: otherwise a cell at high concurrency measures the start-up wave (all
+    prefills at once, no request finished) instead of the steady state."""
+    def rotate(busy) -> None:
+        while any(busy(loop) for loop in loops):
+            for loop in loops:
+                if busy(loop):
+                    loop.tick()
+
+    if warmup > 0:
+        rotate(lambda loop: loop.clock < warmup and not loop.first_wave_finished)
+        for loop in loops:
+            loop.start_measuring()
+    rotate(lambda loop: loop.measured_seconds < seconds)
+    return [loop.finish() for loop in loops]
+
+
+def run_cell(engine: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams,
+             seconds: float, warmup: float = 0.0) -> dict:
+    """One policy alone: a single closed loop on `engine`."""
+    return run_loops([ClosedLoop(engine, prompts, concurrency, params)], seconds, warmup)[0]
