@@ -86,6 +86,30 @@ def test_a_failing_feed_fails_the_requests_it_fed_and_the_engine_goes_on():
     assert later.error is None and later.output == plain_greedy(target, [7, 8, 9], 10)
 
 
+def test_a_feed_failing_when_rows_overflow_reports_the_failed_requests():
+    """With the drafter never drafting, pending rows are fed when a request holds max_pending of them, inside
+    the step's commit; a failure there must still reach the caller as the request's final output."""
+    from dspark.scheduling.registry import make_policy
+
+    target = tiny_target(seed=4, scale=6.0)
+    drafter = tiny_drafter(target, head="markov", block=4)
+
+    def broken(requests, *args, **kwargs):
+        raise RuntimeError("drafter out of memory")
+
+    drafter.observe_batch = broken
+    engine = Engine(target, None, drafter, make_policy("none"), (), EngineConfig(gamma=4, prefill_chunk=6))
+    engine.feed.max_pending = 5
+    params = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in PROMPTS]
+    finals = []
+    while engine.has_unfinished():
+        finals += [o for o in engine.step() if o.finished]
+    assert {o.request_id for o in finals} == {r.request_id for r in reqs}
+    assert all(o.finish_reason == "error" and "out of memory" in o.request.error for o in finals)
+    assert not engine.running and engine.kv_reserved == 0 and not engine.feed.pending
+
+
 def test_seeded_and_t1_distribution_with_deferred_feeding():
     """T = 1 through the engine while the drafter is fed only every third step: the first three tokens follow
     the target's exact law (chi-square), and the same seeds give the same outputs. Phase 0: a request's first

@@ -56,7 +56,6 @@ class Engine:
         self.last_plan: StepPlan | None = None
         self.stats = EngineStats(gamma=config.gamma)
         self.feed = DraftFeed(drafter)
-        self._failed: list[RequestOutput] = []  # requests failed by a deferred feed during planning
 
     # ------------------------------------------------------------------ intake
     def add_request(self, prompt: list[int], params: SamplingParams, stop_strings=(), request_id=None) -> Request:
@@ -113,12 +112,12 @@ class Engine:
         self._admit()
         if not self.running:
             return outputs
+        failed: list[RequestOutput] = []  # requests whose deferred feed failed while planning
         plan = plan_step(self.running, self.drafter, self.policy, self.config, self.model.config.max_position,
-                         before_draft=lambda reqs: self.feed.flush(reqs, self._fail_in_plan))
+                         before_draft=lambda reqs: self.feed.flush(reqs, lambda r, e: self._fail(r, e, failed)))
         self.last_plan = plan
-        if self._failed:
-            outputs += self._failed
-            self._failed = []
+        if failed:
+            outputs += failed
             self.running = [r for r in self.running if not r.finished]
             if not len(plan.tokens):
                 return outputs
@@ -136,7 +135,7 @@ class Engine:
         outputs += self._commit_decoding(plan, out)
         outputs += self._commit_prefill(plan, out)
         t_observe = time.perf_counter()
-        self._feed_drafter(out)
+        self._feed_drafter(out, outputs)
         drafter_s = plan.propose_seconds + time.perf_counter() - t_observe
         self.running = [r for r in self.running if not r.finished]
         verified = int(plan.lengths.sum()) if plan.decoding else 0
@@ -207,15 +206,13 @@ class Engine:
         stops = self._stop_ids(req)
         return torch.tensor([int(t) in stops for t in drafts.tolist()], dtype=torch.bool)
 
-    def _feed_drafter(self, out) -> None:
-        """Keep the target states of every token committed this step for the drafter (fed before it drafts)."""
+    def _feed_drafter(self, out, outputs: list[RequestOutput]) -> None:
+        """Keep the target states of every token committed this step for the drafter (fed before it drafts, or
+        now for a request holding `max_pending` rows: a failure then fails it here, with its final output)."""
         live = [(r, first, n) for r, first, n in self._observed if not r.finished]
         if not self.feed.active or not out.hidden or not live:
             return
-        self.feed.stash(live, out.hidden, lambda req, exc: self._fail(req, exc, []))
-
-    def _fail_in_plan(self, req: Request, exc: Exception) -> None:
-        self._fail(req, exc, self._failed)
+        self.feed.stash(live, out.hidden, lambda req, exc: self._fail(req, exc, outputs))
 
     def _emit(self, req: Request, tokens: list[int]) -> RequestOutput:
         if req.first_token_at is None:
