@@ -52,7 +52,7 @@ class ConfidentDrafter(Drafter):
         self.table = torch.randn(V, V, generator=g) * 2
         self.conf = torch.rand(V, generator=g) * 0.8 + 0.1
 
-    def propose(self, requests):
+    def propose(self, requests, depth=None):  # always γ drafts: more than `depth` is allowed
         R = len(requests)
         tokens, probs = torch.zeros(R, self.gamma, dtype=torch.long), torch.zeros(R, self.gamma, V)
         conf = torch.zeros(R, self.gamma)

@@ -64,7 +64,7 @@ class TableDrafter(Drafter):
             return torch.full((V,), -3.0).index_fill_(0, torch.tensor([worst]), 3.0)
         return self.noise[prev]  # "noisy": an unrelated distribution
 
-    def propose(self, requests: list[DraftRequest]) -> Proposal:
+    def propose(self, requests: list[DraftRequest], depth=None) -> Proposal:  # always γ drafts (allowed)
         req = requests[0]
         prev, pos = req.tokens[-1], len(req.tokens) - 1
         tokens, probs = torch.zeros(1, GAMMA, dtype=torch.long), torch.zeros(1, GAMMA, V)

@@ -52,16 +52,22 @@ def _ctx(drafter, req):
     return DraftContext.batch([ctx], torch.tensor([ctx.length]))
 
 
-def test_batched_propose_equals_one_by_one(target):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_propose_equals_one_by_one(target, temperature):
     drafter = tiny_drafter(target, head="rnn", block=4)
-    params = SamplingParams(temperature=0)
+    params = SamplingParams(temperature=temperature)
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3], [42]]
-    reqs = [observed_request(target, drafter, p, 11 + i, params) for i, p in enumerate(prompts)]
-    together = drafter.propose(reqs)
-    for i, r in enumerate(reqs):
+
+    def requests():  # fresh ones each time: the same seeds, so the same random draws
+        return [observed_request(target, drafter, p, 11 + i, params, seed=i) for i, p in enumerate(prompts)]
+
+    together = drafter.propose(requests())
+    for i, r in enumerate(requests()):
         alone = drafter.propose([r])
         assert together.tokens[i].tolist() == alone.tokens[0].tolist()
-        torch.testing.assert_close(together.probs[i], alone.probs[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(together.confidences[i], alone.confidences[0], rtol=1e-5, atol=1e-6)
+        if temperature:
+            torch.testing.assert_close(together.probs[i], alone.probs[0], rtol=1e-5, atol=1e-6)
 
 
 def test_propose_refuses_unobserved_tokens_and_observe_needs_the_layers(target):
@@ -138,3 +144,36 @@ def test_init_from_target_copies_the_last_layers(target):
     model = DSparkModel(tiny_drafter(target, layers=2).model.arch, target)
     assert model.init_from_target(target) == [1, 2]
     torch.testing.assert_close(model.layers[1].qkv.weight, target.layers[2].qkv.weight)
+
+
+@pytest.mark.parametrize("head", ["markov", "none"])
+def test_greedy_batches_skip_the_distributions_and_draft_what_the_one_hot_path_drafts(target, head):
+    """All-greedy proposals carry probs=None (point masses); beside a sampled request, the same greedy request
+    gets the same tokens with one-hot rows on them — what verification would have been handed before."""
+    drafter = tiny_drafter(target, head=head, head_scale=1.0, block=4)
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=1.0)
+    alone = drafter.propose([observed_request(target, drafter, [1, 2, 3, 4, 5], 6, greedy)])
+    assert alone.probs is None
+    mixed = drafter.propose([observed_request(target, drafter, [1, 2, 3, 4, 5], 6, greedy),
+                             observed_request(target, drafter, [7, 8, 9], 10, sampled, seed=3)])
+    assert torch.equal(mixed.tokens[0], alone.tokens[0])
+    expected = torch.zeros_like(mixed.probs[0]).scatter_(-1, alone.tokens[0][:, None], 1.0)
+    assert torch.equal(mixed.probs[0], expected)
+    torch.testing.assert_close(mixed.confidences[0], alone.confidences[0])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_shallow_proposal_is_the_first_slots_of_the_full_one(target, temperature):
+    """propose(depth=g) drafts slots 1..g exactly as a full proposal does (same tokens, distributions and
+    confidences; the same random draws, taken slot by slot), so a fixed-K policy can stop drafting at K."""
+    drafter = tiny_drafter(target, head="markov", head_scale=1.0, block=4)
+    params = SamplingParams(temperature=temperature)
+    full = drafter.propose([observed_request(target, drafter, [1, 2, 3, 4, 5], 6, params, seed=9)])
+    for depth in (1, 2):
+        part = drafter.propose([observed_request(target, drafter, [1, 2, 3, 4, 5], 6, params, seed=9)], depth=depth)
+        assert part.tokens.shape == (1, depth) and part.num_tokens.tolist() == [depth]
+        assert torch.equal(part.tokens, full.tokens[:, :depth])
+        torch.testing.assert_close(part.confidences, full.confidences[:, :depth])
+        if temperature:
+            torch.testing.assert_close(part.probs, full.probs[:, :depth])
+    assert drafter.propose([observed_request(target, drafter, [1, 2], 6, params)], depth=99).tokens.shape[1] == 4

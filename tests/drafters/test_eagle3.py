@@ -168,13 +168,13 @@ def test_rollback_recomputes_the_entry_before_it():
     seq = [5, 17, 33, 2, 9, 11]
     out = target.forward(torch.tensor(seq), [Segment(target.new_cache(capacity=16), 0, len(seq))],
                          hidden_layers=drafter.needs_layers)
-    greedy = SamplingParams(temperature=0)
-    fresh = DraftRequest(tokens=seq[:4] + [40], params=greedy, generator=make_generator(0))
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=1.0)  # sampled: probs to compare
+    fresh = DraftRequest(tokens=seq[:4] + [40], params=sampled, generator=make_generator(0))
     drafter.observe(fresh, {i: h[:4] for i, h in out.hidden.items()}, 4)
-    req = DraftRequest(tokens=seq + [7], params=greedy, generator=make_generator(0))
+    req = DraftRequest(tokens=seq + [7], params=sampled, generator=make_generator(0))
     drafter.observe(req, out.hidden, len(seq))
     drafter.propose([req])  # projects entries 0..5
-    req.tokens = seq[:4] + [40]
+    req.tokens, req.generator = seq[:4] + [40], make_generator(0)
     drafter.observe(req, {i: h[:0] for i, h in out.hidden.items()}, 0, start=4)
     a, b = drafter.propose([req]), drafter.propose([fresh])
     assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.probs, b.probs)

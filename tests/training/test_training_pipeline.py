@@ -35,10 +35,10 @@ class ObservingDrafter(Drafter):
         super().__init__(inner.gamma)
         self.inner, self.target = inner, target
 
-    def propose(self, requests):
+    def propose(self, requests, depth=None):
         state, start, hidden = self.target.pending  # committed = what the loop kept in the target cache
         self.inner.observe(requests[0], hidden, state.length - start, start=start)
-        return self.inner.propose(requests)
+        return self.inner.propose(requests, depth)
 
     def release(self, request):
         self.inner.release(request)

@@ -55,8 +55,13 @@ class Drafter(ABC):
         return f"{self.name}-g{self.gamma}"
 
     @abstractmethod
-    def propose(self, requests: list[DraftRequest]) -> Proposal:
-        """Draft up to γ tokens for every request."""
+    def propose(self, requests: list[DraftRequest], depth: int | None = None) -> Proposal:
+        """Draft up to γ tokens for every request — up to `depth` when given (a policy that never verifies
+        more than `depth` drafts, e.g. MTP-1, need not pay for drafting the rest)."""
+
+    def slots(self, depth: int | None) -> int:
+        """How many slots a proposal drafts: γ, or `depth` clipped to 1..γ."""
+        return self.gamma if depth is None else max(1, min(int(depth), self.gamma))
 
     def observe(self, request: DraftRequest, hidden: dict[int, torch.Tensor], n_committed: int,
                 start: int | None = None) -> None:

@@ -90,7 +90,7 @@ class DSparkDrafter(BatchFirstDrafter):
 
     # ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, requests: list[DraftRequest]) -> DSparkProposal:
+    def propose(self, requests: list[DraftRequest], depth: int | None = None) -> DSparkProposal:
         ctxs = [self.context(r) for r in requests]
         for r, c in zip(requests, ctxs):
             if c.length != len(r.tokens) - 1:
@@ -102,19 +102,20 @@ class DSparkDrafter(BatchFirstDrafter):
         block_ids = torch.full((R, 1, block), self.model.arch.mask_token_id, dtype=torch.long)
         block_ids[:, 0, 0] = anchor_ids
         ctx_kv, visible = DraftContext.batch(ctxs, anchors)  # per layer [R, T, kvH, hd]; [R, 1, T]
-        h = self.model.backbone(block_ids, anchors[:, None], ctx_kv, visible)[:, 0, : self.gamma]  # [R, γ, d]
+        g = self.slots(depth)  # the backbone still sees the whole block: slot k's state does not depend on g
+        h = self.model.backbone(block_ids, anchors[:, None], ctx_kv, visible)[:, 0, :g]  # [R, g, d]
         tokens, probs, conf = self._sample_block(h, self.draft_logits(h), anchor_ids, requests)
-        return DSparkProposal(tokens=tokens, num_tokens=torch.full((R,), self.gamma), probs=probs,
+        return DSparkProposal(tokens=tokens, num_tokens=torch.full((R,), g), probs=probs,
                               confidences=self._calibrate(conf), confidence_logits=conf)
 
     def _sample_block(self, h: torch.Tensor, base: torch.Tensor, prev: torch.Tensor, requests):
         """Left to right: slot k's logits = U_k + head bias(x_{k−1}), x_{k−1} the token actually drawn.
         h: [R, γ, d]; base: [R, γ, Vd] -> tokens [R, γ], probs [R, γ, V] fp32 (zero outside the draft
-        vocabulary), confidence logits [R, γ]."""
+        vocabulary; None when every request is greedy), confidence logits [R, γ]."""
         R, gamma, V = base.shape
         model, head = self.model, self.model.head
         tokens = torch.empty(R, gamma, dtype=torch.long)
-        probs = torch.empty(R, gamma, V, dtype=torch.float32)
+        probs = slot_probs(requests, gamma, V)
         conf = torch.empty(R, gamma) if model.confidence is not None else None
         state = head.init_state((R,), h) if head is not None else None
         for k in range(gamma):
@@ -124,11 +125,8 @@ class DSparkDrafter(BatchFirstDrafter):
                 logits = logits + bias
             if conf is not None:
                 conf[:, k] = model.confidence_logits(h[:, k], prev)
-            probs[:, k] = self._process(logits, requests)
-            # Invariant 1: the token is drawn from exactly the fp32 vector handed to verification (scattered
-            # into the full vocabulary below, which changes no probability).
-            tokens[:, k] = prev = model.to_full(sample_from(probs[:, k], self._uniforms(requests)))
-        return tokens, model.scatter_probs(probs), conf
+            tokens[:, k] = prev = model.to_full(draw(logits, requests, probs, k))
+        return tokens, None if probs is None else model.scatter_probs(probs), conf
 
     @staticmethod
     def _process(logits: torch.Tensor, requests) -> torch.Tensor:
@@ -155,6 +153,25 @@ class DSparkDrafter(BatchFirstDrafter):
         if self.calibration is None:
             return logits.sigmoid()
         return self.calibration.apply(logits)  # [R, γ]: the first γ positions when run below the block size
+
+
+def slot_probs(requests: list[DraftRequest], gamma: int, vocab: int) -> torch.Tensor | None:
+    """The buffer for each slot's sampling distribution [R, γ, V] fp32; None when every request is greedy: a
+    greedy slot's distribution is the point mass on its argmax (to_probs's one-hot), which verification takes
+    as `probs=None`, so the full-vocabulary vectors need not be written at all."""
+    if all(r.params.greedy for r in requests):
+        return None
+    return torch.empty(len(requests), gamma, vocab, dtype=torch.float32)
+
+
+def draw(logits: torch.Tensor, requests: list[DraftRequest], probs: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Slot k's draft-vocabulary tokens [R] from fp32 logits [R, Vd], storing its distribution in probs[:, k]."""
+    if probs is None:  # all greedy: the argmax, first index on ties, exactly as to_probs's one-hot
+        return logits.argmax(-1)
+    probs[:, k] = DSparkDrafter._process(logits, requests)
+    # Invariant 1: the token is drawn from exactly the fp32 vector handed to verification (scattered into the
+    # full vocabulary afterwards, which changes no probability).
+    return sample_from(probs[:, k], DSparkDrafter._uniforms(requests))
 
 
 def _transformer(target) -> Transformer:

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ..decoding.sampling import sample_from
 from ..models.transformer import Transformer
 from .base import BatchFirstDrafter, DraftRequest, DrafterError, Proposal, register_drafter
-from .dspark import DSparkDrafter, _transformer
+from .dspark import _transformer, draw, slot_probs
 from .dspark_checkpoint import load_drafter_model
 from .dspark_context import DraftContext
 from .eagle3_model import Eagle3Model
@@ -105,7 +104,7 @@ class Eagle3Drafter(BatchFirstDrafter):
             at += n
 
     @torch.inference_mode()
-    def propose(self, requests: list[DraftRequest]) -> Proposal:
+    def propose(self, requests: list[DraftRequest], depth: int | None = None) -> Proposal:
         states = [self._state(r) for r in requests]
         for r, (feats, _) in zip(requests, states):
             if feats.length < 1:
@@ -114,7 +113,7 @@ class Eagle3Drafter(BatchFirstDrafter):
                 raise DrafterError(f"the request has {len(r.tokens) - 1} committed tokens but the drafter observed "
                                    f"{feats.length}: call drafter.observe() after every target forward")
         self._catch_up(requests, states)
-        R, gamma = len(requests), self.gamma
+        R, gamma = len(requests), self.slots(depth)
         anchors = torch.tensor([f.length for f, _ in states])  # [R] = n: entries 0..n−1 visible
         ids = torch.tensor([r.tokens[-1] for r in requests])[:, None]  # [R, 1] x_n
         feat = torch.stack([f.rows[f.length - 1] for f, _ in states])[:, None].to(self.model.fuse.weight.dtype)
@@ -122,17 +121,15 @@ class Eagle3Drafter(BatchFirstDrafter):
         kc, vc = ctx_kv[0]
         tokens = torch.empty(R, gamma, dtype=torch.long)
         model = self.model
-        probs = torch.empty(R, gamma, model.draft_vocab_size, dtype=torch.float32)
+        probs = slot_probs(requests, gamma, model.draft_vocab_size)
 
         def emit(j: int, h: torch.Tensor) -> torch.Tensor:
-            logits = self.draft_logits(h[:, 0])  # [R, Vd] fp32
-            probs[:, j] = DSparkDrafter._process(logits, requests)
-            # Invariant 1: the token is drawn from exactly the fp32 vector handed to verification.
-            tokens[:, j] = model.to_full(sample_from(probs[:, j], DSparkDrafter._uniforms(requests)))
+            tokens[:, j] = model.to_full(draw(self.draft_logits(h[:, 0]), requests, probs, j))  # logits [R, Vd]
             return tokens[:, j: j + 1]
 
         model.chain(ids, feat, (anchors - 1)[:, None], kc, vc, visible, gamma, emit)
-        return Proposal(tokens=tokens, num_tokens=torch.full((R,), gamma), probs=model.scatter_probs(probs))
+        return Proposal(tokens=tokens, num_tokens=torch.full((R,), gamma),
+                        probs=None if probs is None else model.scatter_probs(probs))
 
 
 def load_eagle3(path, target, gamma: int | None = None, strict_target: bool = True,

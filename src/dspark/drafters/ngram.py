@@ -34,11 +34,12 @@ class NGramDrafter(Drafter):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def propose(self, requests: list[DraftRequest]) -> Proposal:
-        out = torch.zeros(len(requests), self.gamma, dtype=torch.long)
+    def propose(self, requests: list[DraftRequest], depth: int | None = None) -> Proposal:
+        gamma = self.slots(depth)
+        out = torch.zeros(len(requests), gamma, dtype=torch.long)
         counts = torch.zeros(len(requests), dtype=torch.long)
         for r, req in enumerate(requests):
-            found = lookup(np.asarray(req.tokens, dtype=np.int64), self.gamma, self.max_ngram, self.min_ngram)
+            found = lookup(np.asarray(req.tokens, dtype=np.int64), gamma, self.max_ngram, self.min_ngram)
             out[r, : len(found)] = torch.from_numpy(found)
             counts[r] = len(found)
         return Proposal(tokens=out, num_tokens=counts)

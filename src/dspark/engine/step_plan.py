@@ -17,7 +17,7 @@ class StepPlan:
     segments: list[Segment]
     logit_rows: torch.Tensor  # [M] rows of N whose logits are needed
     decoding: list[Request] = field(default_factory=list)
-    drafts: torch.Tensor | None = None  # [R, γ]
+    drafts: torch.Tensor | None = None  # [R, g], g ≤ γ slots drafted
     lengths: torch.Tensor | None = None  # [R] ℓ_r chosen by the policy
     draft_probs: torch.Tensor | None = None  # [R, γ, V] or None (point masses)
     confidences: np.ndarray | None = None  # [R, γ]
@@ -48,7 +48,10 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
         decoding = [r for r in decoding if not r.finished]  # a failed feed fails its requests only
         if not decoding:
             return decoding, drafts[:0], lengths[:0], None, None, None, time.perf_counter() - t0
-    proposal = drafter.propose([r.draft for r in decoding])
+    # A policy that caps ℓ (fixed-K) says so, and the drafter drafts no more than that.
+    depth = policy.draft_depth(gamma) if hasattr(policy, "draft_depth") else gamma
+    drafts_for = [r.draft for r in decoding]
+    proposal = drafter.propose(drafts_for, depth=depth) if depth < gamma else drafter.propose(drafts_for)
     seconds = time.perf_counter() - t0  # feeding included: it is the drafter's model work
     conf = None if proposal.confidences is None else proposal.confidences.double().numpy()
     chosen = torch.as_tensor(np.asarray(policy.select(conf, n_requests=R, gamma=gamma)), dtype=torch.long)

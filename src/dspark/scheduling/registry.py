@@ -69,6 +69,10 @@ class FixedPolicy:
     def prepare(self, n_requests: int) -> bool:
         return self.drafts
 
+    def draft_depth(self, gamma: int) -> int:
+        """Slots worth drafting: never more than this policy verifies."""
+        return min(self.k, gamma)
+
     def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
         r, g = _shape(c, n_requests, gamma)
         return fixed_k(r, g, self.k)
