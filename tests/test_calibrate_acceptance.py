@@ -277,7 +277,8 @@ def test_serve_cell_warm_up_measures_after_the_first_wave(tiny):
 def test_interleaved_loops_keep_their_own_clocks_and_outputs(tiny):
     """Policies' closed loops stepped in turn share the target and the drafter but nothing else: every finished
     request's greedy output equals plain decoding of its prompt, each loop measures at least its budget of its own
-    time, and the loops' clocks together never exceed the wall time they ran in."""
+    time, and the loops' clocks together never exceed the wall time they ran in. With a length spread every loop
+    sends the same (prompt, length limit) sequence, and the limits vary."""
     import time
 
     from dspark.bench.closed_loop import ClosedLoop, run_loops
@@ -289,28 +290,34 @@ def test_interleaved_loops_keep_their_own_clocks_and_outputs(tiny):
     root, loaded, paths, _ = tiny
     drafter = make_drafter(str(paths["dspark"]), target=loaded.model)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 3, 4, 5, 6], [7, 7, 8]]
-    params = SamplingParams(temperature=0, max_new_tokens=7, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     engines = [Engine(loaded.model, None, drafter if p != "none" else None, make_policy(p), (), EngineConfig(gamma=4))
                for p in ("none", "fixed-4", "fixed-2")]
     added = {i: [] for i in range(len(engines))}
     for i, engine in enumerate(engines):
         real_add = engine.add_request
         engine.add_request = lambda *a, _add=real_add, _i=i, **k: added[_i].append(_add(*a, **k)) or added[_i][-1]
-    loops = [ClosedLoop(e, prompts, 3, params) for e in engines]
+    loops = [ClosedLoop(e, prompts, 3, params, length_spread=0.5) for e in engines]
     t0 = time.perf_counter()
     cells = run_loops(loops, seconds=0.3, warmup=5.0)
     wall = time.perf_counter() - t0
     assert all(loop.measured_seconds >= 0.3 for loop in loops)
     assert sum(loop.clock for loop in loops) <= wall
     assert all(c["finished_requests"] >= 1 and c["throughput_tok_s"] > 0 for c in cells)
+    sent = [[(tuple(r.prompt), r.params.max_new_tokens) for r in reqs] for reqs in added.values()]
+    common = min(map(len, sent))
+    assert all(s[:common] == sent[0][:common] for s in sent)
+    assert len({n for _, n in sent[0]}) > 1 and all(4 <= n <= 12 for _, n in sent[0])
     reference = {}
     for reqs in added.values():
         for req in (r for r in reqs if r.finish_reason == "length"):
             key = tuple(req.prompt)
             if key not in reference:
-                plain = Generation(TransformerTarget(loaded.model), None, list(key), params)
+                plain = Generation(TransformerTarget(loaded.model), None, list(key),
+                                   SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
                 reference[key] = [t for chunk in plain for t in chunk]
-            assert req.output == reference[key]
+            assert len(req.output) == req.params.max_new_tokens
+            assert req.output == reference[key][: len(req.output)]
     assert len(reference) == len(prompts)
     assert cells[1]["tau"] > 1.0 and cells[0]["tau"] == 1.0
     assert all(not e.running and e.kv_reserved == 0 for e in engines)

@@ -99,6 +99,9 @@ def add_bench(sub) -> None:
                    help="per cell, first run the loop until every client's first request has finished (at most this "
                         "many seconds), then measure: the steady state instead of the start-up wave")
     s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--length-spread", type=float, default=0.5,
+                   help="request i may produce up to max-new-tokens × u_i, u_i uniform in [1 - s, 1 + s] from a fixed "
+                        "seed (the same sequence for every policy); 0: one length for all")
     s.add_argument("--sequential", action="store_true",
                    help="run each policy's cell alone, one after another (default: step every policy's clients in "
                         "turn, each timed on its own clock, so machine speed drift hits all policies alike)")
@@ -155,7 +158,7 @@ def run_bench_serve(args) -> int:
                          concurrency=tuple(int(c) for c in args.concurrency.split(",")),
                          max_new_tokens=args.max_new_tokens, seconds_per_cell=args.seconds, repeats=args.repeats,
                          warmup_s=args.warmup, temperature=args.temperature, out=args.out, traces=args.traces,
-                         sequential=args.sequential))
+                         sequential=args.sequential, length_spread=args.length_spread))
     return 0
 
 

@@ -7,11 +7,21 @@ throughput and per-user speed. Stepping them in turn is what makes policies comp
 the 2-core dev VM a fixed forward switches between speed modes up to 20 % apart for seconds at a time
 (`dspark bench serve --sequential` runs each cell alone, as before), and round-robin steps ~0.1 s apart put
 every policy in the same modes in the same proportion.
+
+Output lengths vary (`length_spread`): request i of every loop may produce up to round(L·u_i) tokens, u_i uniform
+in [1 − s, 1 + s] from one fixed seed, so every policy serves the same (prompt, length) sequence. With one fixed
+length the clients of plain decoding stay in lockstep forever — all finish in the same step, and the next wave's
+prompts share one prefill forward — while any policy that accepts a draft now and then drifts out of step and
+pays for several smaller prefills (on the dev CPU that alone cost async 4–5 % against none at C = 4). Real
+traffic is not in lockstep.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
+
+import numpy as np
 
 from ..decoding import SamplingParams
 from ..engine.engine import Engine
@@ -19,9 +29,13 @@ from .common import median
 
 
 class ClosedLoop:
-    def __init__(self, engine: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams):
+    def __init__(self, engine: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams,
+                 length_spread: float = 0.0, seed: int = 0):
+        if not 0 <= length_spread < 1:
+            raise ValueError(f"length_spread must be in [0, 1), got {length_spread}")
         self.engine, self.params, self.concurrency = engine, params, concurrency
         self.feed = itertools.cycle(prompts)  # every loop sends the same prompts in the same order
+        self.spread, self.lengths = length_spread, np.random.default_rng(seed)  # ... with the same length limits
         self.clock = 0.0  # seconds this loop has spent stepping its engine
         self.arrival: dict[str, float] = {}  # request id -> clock at submission
         self.done: list[tuple] = []  # (request, clock at finish) since `start_measuring`
@@ -30,7 +44,11 @@ class ClosedLoop:
         self.start_measuring()
 
     def _submit(self):
-        req = self.engine.add_request(next(self.feed), self.params)
+        params = self.params
+        if self.spread:
+            u = self.lengths.uniform(1 - self.spread, 1 + self.spread)
+            params = dataclasses.replace(params, max_new_tokens=max(1, round(params.max_new_tokens * u)))
+        req = self.engine.add_request(next(self.feed), params)
         self.arrival[req.request_id] = self.clock
         return req
 
@@ -110,6 +128,6 @@ def run_loops(loops: list[ClosedLoop], seconds: float, warmup: float = 0.0) -> l
 
 
 def run_cell(engine: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams,
-             seconds: float, warmup: float = 0.0) -> dict:
+             seconds: float, warmup: float = 0.0, length_spread: float = 0.0) -> dict:
     """One policy alone: a single closed loop on `engine`."""
-    return run_loops([ClosedLoop(engine, prompts, concurrency, params)], seconds, warmup)[0]
+    return run_loops([ClosedLoop(engine, prompts, concurrency, params, length_spread)], seconds, warmup)[0]

@@ -41,8 +41,11 @@ class ServeBenchConfig:
     out: Path = field(default=Path("results/serving"))
     traces: Path | None = None  # acceptance traces of this drafter: also simulate each cell (see `simulated`)
     sequential: bool = False  # run each policy's cell alone instead of stepping all policies' loops in turn
+    length_spread: float = 0.5  # request i may produce up to max_new_tokens · u_i, u_i ~ U[1 − s, 1 + s] (seeded)
 
     def __post_init__(self):
+        if not 0 <= self.length_spread < 1:
+            raise ValueError(f"bench serve needs 0 <= length spread < 1, got {self.length_spread}")
         if self.repeats < 1 or self.seconds_per_cell <= 0 or self.warmup_s < 0 or not self.policies \
                 or not self.concurrency or min(self.concurrency) < 1:
             raise ValueError("bench serve needs repeats >= 1, seconds > 0, warmup >= 0, at least one policy and "
@@ -80,7 +83,8 @@ def run(cfg: ServeBenchConfig) -> dict:
             "async_paired_ratios": paired, "runs": runs}
     sim = cfg.traces is not None
     md = (f"# Serving benchmark ({cfg.model}, drafter {cfg.drafter}, T={cfg.temperature:g}, "
-          f"{cfg.max_new_tokens} new tokens, {cfg.seconds_per_cell:g} s per cell"
+          f"{cfg.max_new_tokens} ± {100 * cfg.length_spread:g} % new tokens per request, "
+          f"{cfg.seconds_per_cell:g} s per cell" + (", cells one after another" if cfg.sequential else ", policies stepped in turn")
           + (f" after up to {cfg.warmup_s:g} s of warm-up (first wave)" if cfg.warmup_s else "")
           + f", {cfg.repeats} repeat(s), "
           f"medians)\n\n"
@@ -119,9 +123,9 @@ def measure(engines: dict[str, Engine], prompts, concurrency: int, params: Sampl
     """(policy, cell) for every engine at this concurrency: all policies' closed loops stepped in turn (each
     timed on its own clock), or one after another with `cfg.sequential`."""
     if cfg.sequential:
-        return [(name, run_cell(engine, prompts, concurrency, params, cfg.seconds_per_cell, cfg.warmup_s))
-                for name, engine in engines.items()]
-    loops = [ClosedLoop(engine, prompts, concurrency, params) for engine in engines.values()]
+        return [(name, run_cell(engine, prompts, concurrency, params, cfg.seconds_per_cell, cfg.warmup_s,
+                                cfg.length_spread)) for name, engine in engines.items()]
+    loops = [ClosedLoop(engine, prompts, concurrency, params, cfg.length_spread) for engine in engines.values()]
     return list(zip(engines, run_loops(loops, cfg.seconds_per_cell, cfg.warmup_s)))
 
 
