@@ -13,14 +13,7 @@ import collections
 import time
 
 from dspark.bench.closed_loop import ClosedLoop
-from dspark.bench.common import load_bench_prompts
-from dspark.bench.serving import ALL_SETS
-from dspark.decoding import SamplingParams
-from dspark.drafters import make_drafter
-from dspark.engine.engine import Engine, EngineConfig
-from dspark.engine.llm import build_policy
-from dspark.generate import prompt_ids
-from dspark.models import load_model
+from dspark.bench.serving import ServeBenchConfig, setup
 
 
 def main() -> None:
@@ -32,14 +25,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--length-spread", type=float, default=0.5)
     args = ap.parse_args()
-    loaded = load_model(args.model, dtype="float32")
-    drafter = make_drafter(args.drafter, target=loaded.model, gamma=7)
-    prompts = [prompt_ids(loaded.tokenizer, t, chat=True) for _, t in load_bench_prompts(ALL_SETS, 8)]
-    params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, seed=0)
-    for name in ("none", "async"):
-        policy = build_policy(name, drafter, args.model, "float32", loaded.model, 7)
-        engine = Engine(loaded.model, loaded.tokenizer, drafter if name != "none" else None, policy,
-                        loaded.eos_ids, EngineConfig(gamma=7, max_running=args.concurrency))
+    cfg = ServeBenchConfig(model=args.model, drafter=args.drafter, policies=("none", "async"),
+                           concurrency=(args.concurrency,), max_new_tokens=args.max_new_tokens,
+                           length_spread=args.length_spread)
+    _, _, prompts, params, engines = setup(cfg)
+    for name, engine in engines.items():
         loop = ClosedLoop(engine, prompts, args.concurrency, params, args.length_spread)
         times: dict[str, list[float]] = collections.defaultdict(list)
         for _ in range(args.steps):

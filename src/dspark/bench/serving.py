@@ -19,7 +19,7 @@ from ..engine.engine import Engine, EngineConfig
 from ..engine.llm import build_policy
 from ..generate import prompt_ids
 from ..models import load_model
-from .closed_loop import ClosedLoop, run_cell, run_loops  # noqa: F401 (run_cell: one policy alone)
+from .closed_loop import ClosedLoop, run_cell, run_loops
 from .common import load_bench_prompts, machine_info, markdown_table, median, write_results
 
 ALL_SETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench", "arena-hard-v2")
@@ -53,7 +53,8 @@ class ServeBenchConfig:
                              f"warmup={self.warmup_s}, policies={self.policies}, concurrency={self.concurrency})")
 
 
-def run(cfg: ServeBenchConfig) -> dict:
+def setup(cfg: ServeBenchConfig):
+    """(loaded target, drafter, prompts, sampling params, {policy: engine}) exactly as the benchmark uses them."""
     loaded = load_model(cfg.model, dtype=cfg.dtype)
     drafter = make_drafter(cfg.drafter, target=loaded.model, gamma=cfg.gamma)
     prompts = [prompt_ids(loaded.tokenizer, text, chat=True) for _, text in load_bench_prompts(ALL_SETS, 8)]
@@ -63,7 +64,13 @@ def run(cfg: ServeBenchConfig) -> dict:
         policy = build_policy(name, drafter, cfg.model, cfg.dtype, loaded.model, cfg.gamma)
         engines[name] = Engine(loaded.model, loaded.tokenizer, drafter if name != "none" else None, policy,
                                loaded.eos_ids, EngineConfig(gamma=cfg.gamma, max_running=max(cfg.concurrency)))
-        run_cell(engines[name], prompts, 1, params, min(2.0, cfg.seconds_per_cell))  # warm-up
+    return loaded, drafter, prompts, params, engines
+
+
+def run(cfg: ServeBenchConfig) -> dict:
+    loaded, drafter, prompts, params, engines = setup(cfg)
+    for engine in engines.values():
+        run_cell(engine, prompts, 1, params, min(2.0, cfg.seconds_per_cell))  # warm-up
     runs = []
     for rep in range(cfg.repeats):
         for c in cfg.concurrency:
@@ -84,7 +91,8 @@ def run(cfg: ServeBenchConfig) -> dict:
     sim = cfg.traces is not None
     md = (f"# Serving benchmark ({cfg.model}, drafter {cfg.drafter}, T={cfg.temperature:g}, "
           f"{cfg.max_new_tokens} ± {100 * cfg.length_spread:g} % new tokens per request, "
-          f"{cfg.seconds_per_cell:g} s per cell" + (", cells one after another" if cfg.sequential else ", policies stepped in turn")
+          f"{cfg.seconds_per_cell:g} s per cell"
+          + (", cells one after another" if cfg.sequential else ", policies stepped in turn")
           + (f" after up to {cfg.warmup_s:g} s of warm-up (first wave)" if cfg.warmup_s else "")
           + f", {cfg.repeats} repeat(s), "
           f"medians)\n\n"

@@ -19,9 +19,9 @@ class StepPlan:
     decoding: list[Request] = field(default_factory=list)
     drafts: torch.Tensor | None = None  # [R, g], g ≤ γ slots drafted
     lengths: torch.Tensor | None = None  # [R] ℓ_r chosen by the policy
-    draft_probs: torch.Tensor | None = None  # [R, γ, V] or None (point masses)
-    confidences: np.ndarray | None = None  # [R, γ]
-    confidence_logits: np.ndarray | None = None  # [R, γ] raw head logits, before calibration (for `calibrate`)
+    draft_probs: torch.Tensor | None = None  # [R, g, V] or None (point masses)
+    confidences: np.ndarray | None = None  # [R, g]
+    confidence_logits: np.ndarray | None = None  # [R, g] raw head logits, before calibration (for `calibrate`)
     propose_seconds: float = 0.0
     decode_logit_rows: list[slice] = field(default_factory=list)  # per decoding request, into the M logits
     decode_token_rows: list[list[int]] = field(default_factory=list)  # per decoding request, into N
@@ -50,8 +50,7 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
             return decoding, drafts[:0], lengths[:0], None, None, None, time.perf_counter() - t0
     # A policy that caps ℓ (fixed-K) says so, and the drafter drafts no more than that.
     depth = policy.draft_depth(gamma) if hasattr(policy, "draft_depth") else gamma
-    drafts_for = [r.draft for r in decoding]
-    proposal = drafter.propose(drafts_for, depth=depth) if depth < gamma else drafter.propose(drafts_for)
+    proposal = drafter.propose([r.draft for r in decoding], depth=depth)
     seconds = time.perf_counter() - t0  # feeding included: it is the drafter's model work
     conf = None if proposal.confidences is None else proposal.confidences.double().numpy()
     chosen = torch.as_tensor(np.asarray(policy.select(conf, n_requests=R, gamma=gamma)), dtype=torch.long)
