@@ -45,6 +45,9 @@ def test_cache_and_online_give_the_same_loss(tmp_path, setup, dtype):
     assert abs(loss_on(cached, model, seqs) - loss_on(online, model, seqs)) < 1e-6
     sub = CachedFeatures(tmp_path / "c", (0, 2))  # a subset of the cached layers
     torch.testing.assert_close(sub.features([1])[0].layers, cached.features([1])[0].layers[:, [0, 2]])
+    first = CachedFeatures(tmp_path / "c", LAYERS, limit=4)  # data.limit applies to a cache as to online data
+    assert len(first) == 4 and all(torch.equal(a, b) for a, b in zip(first.data.ids, data.ids[:4]))
+    torch.testing.assert_close(first.features([3])[0].final, cached.features([3])[0].final)
 
 
 def test_interrupted_build_keeps_a_valid_cache_and_resumes(tmp_path, setup, monkeypatch):

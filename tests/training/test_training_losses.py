@@ -53,6 +53,23 @@ def test_hand_case():
     assert math.isclose(float(loss), expected, rel_tol=1e-6)
 
 
+def test_soft_cross_entropy_term():
+    # q = (1/2, 1/2), p = (3/4, 1/4): −Σ p log q = log 2, whatever the label; weighted by w_k like the others.
+    h = torch.tensor([[[0.0, 0.0], [0.0, 0.0]]], requires_grad=True)
+    th = torch.tensor([[[math.log(3.0), 0.0], [math.log(3.0), 0.0]]])
+    w = slot_weights(2, 4.0)
+    t = block_terms(LogitModel(), h, torch.zeros(1, 2, dtype=torch.long), torch.tensor([[1, 1]]),
+                    torch.tensor([[True, True]]), th, w)
+    assert math.isclose(float(t["soft"]), math.log(2) * (1 + float(w[1])), rel_tol=1e-6)
+    base = combine(t, t["den"], (0.1, 0.9, 1.0))
+    assert float(combine(t, t["den"], (0.1, 0.9, 1.0, 0.0))) == float(base)
+    loss = combine(t, t["den"], (0.0, 0.0, 0.0, 1.0))
+    assert math.isclose(float(loss), math.log(2), rel_tol=1e-6)
+    loss.backward()  # ∂/∂logit = q − p = (−1/4, +1/4) per slot, scaled by w_k / Σ w
+    expected = torch.tensor([-0.25, 0.25]) * (w / w.sum()).unsqueeze(-1)
+    torch.testing.assert_close(h.grad[0], expected)
+
+
 def test_hand_case_with_a_draft_vocabulary():
     # V = 3, the drafter covers tokens {0, 2}: q = (1/2, 1/2) there; p = (1/2, 1/4, 1/4) over all three.
     # ‖q − p‖₁ = 0 + 1/4 (token 1, which the drafter cannot propose) + 1/4 = 1/2; label 1 has no CE term.

@@ -72,6 +72,7 @@ class LossSection:
     ce: float = 0.1
     tv: float = 0.9
     conf: float = 1.0
+    soft: float = 0.0  # soft cross-entropy to the target distribution (see training/losses.py)
     decay: float = 4.0  # w_k = exp(−(k−1)/decay)
 
 

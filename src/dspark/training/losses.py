@@ -4,7 +4,10 @@ Per slot k = 1..γ with weight w_k = exp(−(k−1)/decay), only over each block
   CE   = −Σ w_k log q_k(y_k)                       (Markov/RNN head teacher-forced on y)
   TV   =  Σ w_k ‖q_k − p_k‖₁                        (p_k: target softmax at T = 1)
   CONF =  Σ w_k BCE(c_k, 1 − ½‖q_k − p_k‖₁)         (soft label: the slot's acceptance probability, detached)
-  L = (α_ce·CE + α_tv·TV + α_conf·CONF) / Σ w_k     (the denominator summed over the whole optimizer step)
+  SOFT = −Σ w_k Σ_v p_k(v) log q_k(v)               (forward KL to p_k up to its entropy; optional, α = 0)
+  L = (α_ce·CE + α_tv·TV + α_conf·CONF + α_soft·SOFT) / Σ w_k   (denominator summed over the optimizer step)
+TV is the objective acceptance depends on, but from a diffuse q its gradient is tiny (∂‖q−p‖₁/∂logit_v
+scales with q_v); SOFT gives every token of p a gradient and is what EAGLE-style drafters train on.
 p_k is recomputed from the cached final hidden state only at the sampled slot positions, through the frozen
 target LM head — the "hidden-state communication" that keeps [S × V] target logits off the disk.
 """
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 from ..drafters.dspark_model import DSparkModel
 from .packing import Batch
 
-STAT_KEYS = ("ce", "tv", "conf", "den", "top1")
+STAT_KEYS = ("ce", "tv", "conf", "soft", "den", "top1")
 
 
 def slot_weights(block_size: int, decay: float, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -40,7 +43,7 @@ def forward_hidden(model: DSparkModel, batch: Batch) -> torch.Tensor:
 def block_terms(model: DSparkModel, h: torch.Tensor, prev: torch.Tensor, labels: torch.Tensor,
                 valid: torch.Tensor, target_hidden: torch.Tensor, weights: torch.Tensor) -> dict:
     """Weighted loss sums of B blocks. h, target_hidden: [B, γ, d]; prev, labels, valid: [B, γ]; weights: [γ].
-    -> {ce, tv, conf: scalar sums (with grad); den, top1: floats; accept: [γ] Σ(1 − ½‖q−p‖₁); count: [γ]}"""
+    -> {ce, tv, conf, soft: scalar sums (with grad); den, top1: floats; accept: [γ] Σ(1 − ½‖q−p‖₁); count: [γ]}"""
     logits = model.base_logits(h)  # [B, γ, Vd] fp32
     if model.head is not None:
         logits = logits + model.head.block_bias(prev, h).float()
@@ -50,6 +53,7 @@ def block_terms(model: DSparkModel, h: torch.Tensor, prev: torch.Tensor, labels:
     local = model.to_local(labels)  # [B, γ]; −1: a label the draft vocabulary cannot produce (no CE term)
     ce = -(logq.gather(-1, local.clamp_min(0).unsqueeze(-1)).squeeze(-1) * w * (local >= 0)).sum()
     l1 = (logq.exp() - p).abs().sum(-1) + outside  # [B, γ] ‖q − p‖₁ over the whole vocabulary
+    soft = -((p * logq).sum(-1) * w).sum()
     accept = (1 - 0.5 * l1.detach()).clamp(0, 1)
     conf = ce.new_zeros(())
     c = model.confidence_logits(h, prev)
@@ -58,7 +62,7 @@ def block_terms(model: DSparkModel, h: torch.Tensor, prev: torch.Tensor, labels:
     with torch.no_grad():
         top1 = ((logits.argmax(-1) == local) & valid).sum().item()
         vf = valid.float()
-    return {"ce": ce, "tv": (l1 * w).sum(), "conf": conf, "den": float(w.sum()), "top1": float(top1),
+    return {"ce": ce, "tv": (l1 * w).sum(), "conf": conf, "soft": soft, "den": float(w.sum()), "top1": float(top1),
             "accept": (accept * vf).sum(0).cpu(), "count": vf.sum(0).cpu()}
 
 
@@ -73,8 +77,12 @@ def target_probs(model, target_hidden: torch.Tensor) -> tuple[torch.Tensor, torc
     return p, (1 - p.sum(-1)).clamp_min(0)
 
 
-def combine(terms: dict, den: float, alpha: tuple[float, float, float]) -> torch.Tensor:
-    return (alpha[0] * terms["ce"] + alpha[1] * terms["tv"] + alpha[2] * terms["conf"]) / max(den, 1e-12)
+def combine(terms: dict, den: float, alpha: tuple[float, ...]) -> torch.Tensor:
+    """alpha: (ce, tv, conf) or (ce, tv, conf, soft) coefficients."""
+    loss = alpha[0] * terms["ce"] + alpha[1] * terms["tv"] + alpha[2] * terms["conf"]
+    if len(alpha) > 3 and alpha[3]:
+        loss = loss + alpha[3] * terms["soft"]
+    return loss / max(den, 1e-12)
 
 
 def valid_blocks(batch: Batch, h: torch.Tensor):

@@ -136,7 +136,8 @@ def _features(target, seqs: list[torch.Tensor], layer_ids, batch_tokens: int) ->
 class CachedFeatures(FeatureSource):
     """Reads a built cache; `layer_ids` may be any subset of the cached layers."""
 
-    def __init__(self, cache_dir: str | Path, layer_ids: tuple[int, ...] | None = None, target=None):
+    def __init__(self, cache_dir: str | Path, layer_ids: tuple[int, ...] | None = None, target=None,
+                 limit: int = 0):
         from safetensors import safe_open
 
         self.dir = Path(cache_dir)
@@ -164,6 +165,8 @@ class CachedFeatures(FeatureSource):
                 self._where.append((shard, a, b - a))
                 ids.append(all_ids[a:b].long())
                 masks.append(all_mask[a:b].bool())
+        if limit > 0:  # the first N sequences, as data.limit means without a cache
+            self._where, ids, masks = self._where[:limit], ids[:limit], masks[:limit]
         self.data = TokenizedData(ids, masks)
 
     def features(self, indices: list[int], lengths: list[int] | None = None) -> list[SeqFeatures]:

@@ -25,7 +25,7 @@ from ..drafters.eagle3_model import Eagle3Model
 from . import eagle3_losses
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .losses import backward, slot_weights, tau_estimate
+from .losses import STAT_KEYS, backward, slot_weights, tau_estimate
 from .packing import load_batch, plan_batch
 from .train_log import CsvLog, progress_bar
 
@@ -45,15 +45,15 @@ class Recipe:
     plan: Callable  # packing.plan_batch's signature
     load: Callable  # packing.load_batch's signature
     weights: Callable  # (block_size, LossSection) -> [γ] slot weights
-    alpha: Callable  # LossSection -> (ce, tv, conf) coefficients of the logged loss
+    alpha: Callable  # LossSection -> (ce, tv, conf, soft) coefficients of the logged loss
     backward: Callable  # losses.backward's signature
 
 
 _DSPARK = Recipe(DSparkModel, plan_batch, load_batch, lambda block, loss: slot_weights(block, loss.decay),
-                 lambda loss: (loss.ce, loss.tv, loss.conf), backward)
+                 lambda loss: (loss.ce, loss.tv, loss.conf, loss.soft), backward)
 # EAGLE-3 baseline: TTT over the chain; "ce" is its soft cross-entropy −Σ p log q, the whole loss.
 _EAGLE3 = Recipe(Eagle3Model, eagle3_losses.plan_batch, eagle3_losses.load_batch,
-                 lambda block, loss: eagle3_losses.step_weights(block), lambda loss: (1.0, 0.0, 0.0),
+                 lambda block, loss: eagle3_losses.step_weights(block), lambda loss: (1.0, 0.0, 0.0, 0.0),
                  eagle3_losses.backward)
 RECIPES = {"dspark": _DSPARK, "dflash": _DSPARK, "eagle3": _EAGLE3}
 
@@ -73,7 +73,7 @@ def make_source(cfg: TrainConfig, loaded, layer_ids):
     from .target_cache import CachedFeatures
 
     if cfg.data.cache:
-        return CachedFeatures(cfg.data.cache, layer_ids, target=loaded.model)
+        return CachedFeatures(cfg.data.cache, layer_ids, target=loaded.model, limit=cfg.data.limit)
     if not cfg.data.dataset:
         raise ValueError("set data.dataset (datagen output) or data.cache (a built target cache)")
     data = load_sequences(cfg.data.dataset, loaded.tokenizer, cfg.data.max_seq_len, cfg.data.limit)
@@ -169,7 +169,7 @@ class Trainer:
         den = sum(float((p.slot_valid.double() * weights.double()).sum()) for ps in plans for p in ps)
         den_total = float(self._all_reduce(torch.tensor([den], dtype=torch.float64))[0])
         alpha = recipe.alpha(cfg.loss)
-        sums = torch.zeros(5 + 2 * block + 2, dtype=torch.float64)
+        sums = torch.zeros(6 + 2 * block + 2, dtype=torch.float64)
         # Per-micro-batch gradients are summed in their own buffer, so the sum associates the same way as the
         # all-reduce over processes (bitwise-equal results when each process holds one micro-batch).
         acc = torch.zeros(sum(p.numel() for p in self.params), device=self.device)
@@ -178,7 +178,7 @@ class Trainer:
                 continue
             batch = recipe.load(self.source, ps, block, self.model.arch.mask_token_id).to(self.device)
             s = recipe.backward(self.model, batch, den_total, alpha, cfg.loss.decay, cfg.optim.loss_chunk_blocks)
-            sums += torch.cat([torch.tensor([s["ce"], s["tv"], s["conf"], s["den"], s["top1"]], dtype=torch.float64),
+            sums += torch.cat([torch.tensor([s[k] for k in STAT_KEYS], dtype=torch.float64),
                                s["accept"].double(), s["count"].double(),
                                torch.tensor([batch.features.shape[0], int(batch.block_valid.sum())],
                                             dtype=torch.float64)])
@@ -197,15 +197,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         stats = self._stats(self._all_reduce(sums), block, lr, norm, epoch)
-        stats["loss"] = alpha[0] * stats["ce"] + alpha[1] * stats["tv"] + alpha[2] * stats["conf"]
+        stats["loss"] = sum(a * stats[k] for a, k in zip(alpha, ("ce", "tv", "conf", "soft")))
         return stats
 
     @staticmethod
     def _stats(s: torch.Tensor, block: int, lr: float, norm: float, epoch: int) -> dict:
-        den = max(float(s[3]), 1e-12)
-        accept, count = s[5:5 + block], s[5 + block:5 + 2 * block]
+        den = max(float(s[4]), 1e-12)
+        accept, count = s[6:6 + block], s[6 + block:6 + 2 * block]
         out = {"epoch": epoch, "lr": lr, "grad_norm": norm, "ce": float(s[0]) / den, "tv": float(s[1]) / den,
-               "conf": float(s[2]) / den, "top1": float(s[4]) / max(float(count.sum()), 1),
+               "conf": float(s[2]) / den, "soft": float(s[3]) / den, "top1": float(s[5]) / max(float(count.sum()), 1),
                "tau_est": tau_estimate(accept, count), "context_tokens": int(s[-2]), "blocks": int(s[-1]),
                "slots": int(count.sum())}
         out.update({f"acc{k + 1}": float(a / max(float(c), 1)) for k, (a, c) in enumerate(zip(accept, count))})
