@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The shipped SmolLM2 drafter, as it was made on the 2-core CPU: the Table-1 DSpark run (400 steps of
-# configs/smollm2-dspark.toml), then that run continued to STEPS (default 2,400) under a new cosine schedule
+# configs/smollm2-dspark.toml), then that run continued to LONG_STEPS (default 2,400) under a new cosine schedule
 # (a warm restart: the step-400 checkpoint's weights and optimizer state, peak learning rate again).
 # Both stages resume from their last checkpoint when rerun. Prerequisites: data/smollm2-gen and
 # data/smollm2-cache (the commands in configs/smollm2-dspark.toml). Afterwards:
