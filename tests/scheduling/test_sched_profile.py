@@ -72,6 +72,26 @@ def test_measure_profile_takes_median():
     assert prof.source == "measured"
 
 
+def test_measure_profile_interleaves_repeats_so_drift_hits_every_point():
+    # Every step costs 1 s, except that the machine runs at half speed for the first 6 timed calls. Timed back to
+    # back, B = 1 would take all 5 of its repeats in the slow phase and B = 2 one of them (a 2x bend in the
+    # curve); interleaved, each takes 3 of 5 and both medians agree.
+    now, timed, order = [0.0], [0], []
+
+    def timer():
+        return now[0]
+
+    def step(b):
+        order.append(b)
+        if len(order) > 2:  # past the two warm-up calls
+            now[0] += 2.0 if timed[0] < 6 else 1.0
+            timed[0] += 1
+
+    prof = measure_profile(step, [1, 2], repeats=5, warmup=1, timer=timer)
+    assert order[2:] == [1, 2] * 5
+    assert prof.seconds[0] == prof.seconds[1] == pytest.approx(2.0)
+
+
 def test_cache_round_trip(tmp_path):
     path = save_profile(PROF, tmp_path / "profiles" / "sps.json")
     back = load_cached_profile(path, KEY)

@@ -81,7 +81,7 @@ def profile_path(key: ProfileKey) -> Path:
     return cache_root() / "profiles" / f"{safe}.json"
 
 
-def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 5, force: bool = False,
+def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force: bool = False,
                     drafter=None) -> SpeedProfile:
     """The cached profile for this key, or a fresh measurement (a mismatched cache warns and re-profiles).
     With a drafter, its drafting cost against the number of requests is measured too (key it by

@@ -152,23 +152,27 @@ def measure_profile(
 
     ``step_fn`` must run one complete verify step over B tokens *and wait for it* (on a GPU: synchronise), since
     we time the call from outside. The median, not the mean, because one page fault or GC pause must not make a
-    table point look twice as slow.
+    table point look twice as slow. The repeats are interleaved — round r times every B once — because a
+    shared machine changes speed for seconds at a time (up to 1.44x between blocks on the dev VM): timed back to
+    back, a slow phase lands on some points and not others and bends the curve the scheduler trusts.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
 
-    def median_time(fn: Callable[[int], object], n: int) -> float:
-        for _ in range(warmup):
-            fn(n)
-        times = []
+    def median_times(fn: Callable[[int], object], sizes: list[int]) -> list[float]:
+        for n in sizes:
+            for _ in range(warmup):
+                fn(n)
+        times: dict[int, list[float]] = {n: [] for n in sizes}
         for _ in range(repeats):
-            t0 = timer()
-            fn(n)
-            times.append(timer() - t0)
-        return float(np.median(times))
+            for n in sizes:
+                t0 = timer()
+                fn(n)
+                times[n].append(timer() - t0)
+        return [float(np.median(times[n])) for n in sizes]
 
     tokens = sorted({int(b) for b in token_counts})
-    seconds = [median_time(step_fn, b) for b in tokens]
+    seconds = median_times(step_fn, tokens)
     reqs: list[int] = sorted({int(r) for r in request_counts}) if draft_fn is not None else []
-    dsec = [median_time(draft_fn, r) for r in reqs] if draft_fn is not None else []
+    dsec = median_times(draft_fn, reqs) if draft_fn is not None else []
     return SpeedProfile(tuple(tokens), tuple(seconds), tuple(reqs), tuple(dsec), key=key, source="measured")
