@@ -281,7 +281,7 @@ def test_async_policy_skips_the_drafter_when_capacity_is_zero():
 def test_async_policy_probes_after_skipped_steps_and_recovers():
     # Drafting costs as much as a step: K = 0 for weak confidences, K > 0 for near-certain ones.
     prof = SpeedProfile((1, 2, 8), (1.0, 1.0, 1.0), (1, 100), (0.5, 0.5))
-    pol = AsyncPolicy(prof, probe_every=3)
+    pol = AsyncPolicy(prof, probe_every=3, pool_requests=1)  # one step: the probe alone sets K
     weak, strong = np.full((1, 3), 0.1), np.full((1, 3), 0.99)
     for _ in range(2):  # history: weak confidences
         assert pol.prepare(1) is True
@@ -299,7 +299,7 @@ def test_async_policy_probes_after_skipped_steps_and_recovers():
 
 def test_async_policy_backs_off_probing_while_speculation_does_not_pay():
     prof = SpeedProfile((1, 2, 8), (1.0, 1.0, 1.0), (1, 100), (0.5, 0.5))
-    pol = AsyncPolicy(prof, probe_every=2, max_probe_every=8)
+    pol = AsyncPolicy(prof, probe_every=2, max_probe_every=8, pool_requests=1)
     weak, drafted = np.full((1, 3), 0.1), []
     for step in range(60):
         if pol.prepare(1):
@@ -310,6 +310,45 @@ def test_async_policy_backs_off_probing_while_speculation_does_not_pay():
     # steps 0, 1: no history (Algorithm 1); then probes after 2, 4, 8, 8, ... skipped steps
     assert drafted[:6] == [0, 1, 4, 9, 18, 27]
     assert np.diff(drafted[4:]).tolist() == [9] * (len(drafted) - 5)
+
+
+def test_async_capacity_pools_steps_as_a_quantile_curve():
+    rng = np.random.default_rng(5)
+    prof = SpeedProfile((1, 4, 16, 64), (1.0, 1.3, 2.0, 5.0), (1, 64), (0.2, 0.6))
+    c = rng.beta(3, 1, size=(4, 5))
+    k = async_capacity(c, prof)
+    assert async_capacity([c], prof) == k
+    assert async_capacity([c, c, c], prof, n_requests=4) == k  # three copies: the same quantile curve
+    # One row per step at R = 1: the pool of 8 steps is priced like those 8 rows spread over 8 requests, per request
+    rows = [rng.beta(3, 1, size=(1, 5)) for _ in range(8)]
+    flat = lambda b: 1.0 / (1.0 + 0.3 * b)  # noqa: E731
+    pooled = async_capacity(rows, flat, n_requests=1)
+    a = -np.sort(-np.cumprod(np.concatenate(rows), axis=1).ravel())
+    theta = [(1 + np.cumsum(np.concatenate(([0.0], a)))[8 * k] / 8) * flat(1 + k) for k in range(6)]
+    assert pooled == int(np.argmax(theta))
+    with pytest.raises(ValueError, match="at least one"):
+        async_capacity([], prof)
+
+
+def test_async_policy_pools_low_load_history_so_k_stops_flipping():
+    # R = 1, easy and hard rounds alternating: from one step, K flips between 0 (skip the drafter) and 7; from a
+    # pool of 8 steps it stays at the K of the average round.
+    prof = SpeedProfile((1, 4, 8), (1.0, 1.25, 1.6), (1, 8), (0.2, 0.2))
+    easy, hard = np.full((1, 7), 0.95), np.full((1, 7), 0.05)
+    ks = {}
+    for pool in (1, 8):
+        pol = AsyncPolicy(prof, pool_requests=pool, pool_steps=8, probe_every=1)
+        got = []
+        for t in range(40):
+            c = easy if t % 2 else hard
+            pol.prepare(1)
+            got.append(pol.last_capacity)
+            pol.select(c) if pol.last_capacity != 0 else pol.select(None, n_requests=1)
+        ks[pool] = got[20:]
+    assert 0 in ks[1] and max(ks[1]) > 0  # one step: flips between skipping and drafting
+    assert len(set(ks[8]) - {None}) == 1 and ks[8][-1] > 0  # pooled: one steady K
+    with pytest.raises(ValueError, match="pool_requests"):
+        AsyncPolicy(prof, pool_requests=0)
 
 
 def test_async_policy_rejects_bad_probe_interval():

@@ -92,12 +92,53 @@ def test_measure_profile_interleaves_repeats_so_drift_hits_every_point():
     assert prof.seconds[0] == prof.seconds[1] == pytest.approx(2.0)
 
 
+def test_step_cost_counts_requests_when_the_caller_knows_them():
+    # Measured with 4 tokens per request, so B = 32 was 8 requests; each request costs 5 ms on top of its tokens.
+    p = SpeedProfile((1, 4, 32), (0.02, 0.03, 0.09), (1,), (0.01,), segment_seconds=0.005, tokens_per_segment=4)
+    assert p.step_s(32) == pytest.approx(0.09)  # no R given: as measured
+    assert p.step_s(32, n_requests=8) == pytest.approx(0.09)
+    assert p.step_s(32, n_requests=1) == pytest.approx(0.09 - 7 * 0.005)  # one request verifying 31 drafts
+    assert p.step_s(32, n_requests=16) == pytest.approx(0.09 + 8 * 0.005)
+    assert p.step_s(4, n_requests=1) == pytest.approx(0.03)
+    assert p.step_s(2, n_requests=2) == pytest.approx(0.02 + 0.01 / 3 + 0.005)
+    np.testing.assert_allclose(p.step_s(np.array([4, 32]), n_requests=1), [0.03, 0.055])
+    assert p.sps(32, n_requests=1) == pytest.approx(1 / (0.055 + 0.01))  # drafting cost of 1 request added
+    assert SpeedProfile((1, 64), (0.02, 0.03), segment_seconds=0.01, tokens_per_segment=4).step_s(
+        64, n_requests=1) == pytest.approx(0.02)  # never below the smallest measured step
+    assert PROF.step_s(40, n_requests=3) == PROF.step_s(40)  # no request model: R changes nothing
+    with pytest.raises(ValueError, match="segment_seconds"):
+        SpeedProfile((1,), (0.1,), segment_seconds=-1.0)
+
+
+def test_measure_profile_prices_one_more_request():
+    # A step costs 1 ms per token plus 3 ms per request: B = 8 split 4 per request is 8 + 6 ms, one request 8 + 3.
+    now = [0.0]
+
+    def timer():
+        return now[0]
+
+    def split(b):
+        now[0] += 1e-3 * b + 3e-3 * max(1, b // 4)
+
+    def one(b):
+        now[0] += 1e-3 * b + 3e-3
+
+    prof = measure_profile(split, [1, 4, 8], repeats=3, one_segment_fn=one, tokens_per_segment=4, timer=timer)
+    assert prof.seconds == pytest.approx((4e-3, 7e-3, 14e-3))
+    assert prof.segment_seconds == pytest.approx(3e-3) and prof.tokens_per_segment == 4
+    assert prof.step_s(8, n_requests=1) == pytest.approx(11e-3)
+    plain = measure_profile(split, [1, 4, 8], repeats=1, timer=timer)
+    assert plain.segment_seconds == 0.0 and plain.tokens_per_segment == 0
+
+
 def test_cache_round_trip(tmp_path):
     path = save_profile(PROF, tmp_path / "profiles" / "sps.json")
     back = load_cached_profile(path, KEY)
     assert back == PROF
     assert back.step_s(40) == PROF.step_s(40)
-    assert json.loads(path.read_text())["version"] == 1
+    assert json.loads(path.read_text())["version"] == 2
+    seg = SpeedProfile((1, 8), (0.02, 0.04), segment_seconds=0.003, tokens_per_segment=4, key=KEY)
+    assert load_cached_profile(save_profile(seg, tmp_path / "seg.json"), KEY) == seg
 
 
 def test_cache_missing_is_silent(tmp_path):

@@ -27,12 +27,13 @@ def _split(b: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(requests)]
 
 
-def target_step_fn(model: Transformer):
-    """step_fn(B): one verify forward over B tokens, caches pre-filled and rolled back after each call."""
+def target_step_fn(model: Transformer, one_segment: bool = False):
+    """step_fn(B): one verify forward over B tokens (TOKENS_PER_REQUEST per request, or all in one request),
+    caches pre-filled and rolled back after each call."""
     caches: list = []
 
     def step(b: int) -> None:
-        parts = _split(b)
+        parts = [b] if one_segment else _split(b)
         while len(caches) < len(parts):
             cache = model.new_cache(CONTEXT + 128)
             model.forward(torch.arange(CONTEXT) % model.config.vocab_size, [Segment(cache, 0, CONTEXT)])
@@ -89,7 +90,9 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
     def measure() -> SpeedProfile:
         extra = {} if drafter is None else {"draft_fn": drafter_step_fn(model, drafter),
                                             "request_counts": PROFILE_REQUESTS}
-        return measure_profile(target_step_fn(model), PROFILE_TOKENS, repeats=repeats, key=key, **extra)
+        return measure_profile(target_step_fn(model), PROFILE_TOKENS, repeats=repeats, key=key,
+                               one_segment_fn=target_step_fn(model, one_segment=True),
+                               tokens_per_segment=TOKENS_PER_REQUEST, **extra)
 
     path = profile_path(key)
     if force and path.exists():

@@ -116,24 +116,40 @@ def sync_prefix_schedule_unsafe_no_early_stop(c, sps: SPS) -> np.ndarray:
 
 
 def async_capacity(c_old, sps: SPS, *, n_requests: int | None = None) -> int:
-    """Capacity K (total drafts to admit) from confidences of an earlier step [R_old, γ]: argmax over all prefixes
-    of the sorted survivals of Θ (no early stop, so a jagged SPS curve cannot trap the search at a local maximum).
+    """Capacity K (total drafts to admit) from confidences of earlier steps: argmax over all prefixes of the
+    sorted survivals of Θ (no early stop, so a jagged SPS curve cannot trap the search at a local maximum).
 
-    Lossless because K is computed before the current step's tokens exist. ``n_requests`` (the current R, known
-    before drafting) sets the base of τ and B; default R_old.
+    ``c_old`` is one earlier step's confidences [R_old, γ] or a list of several steps' (pooled: below). Lossless
+    because K is computed before the current step's tokens exist. ``n_requests`` (the current R, known before
+    drafting) sets the base of τ and B; default: the first array's R_old.
+
+    Pooling: with P pooled rows for R current requests, the top-K survivals of R requests are estimated as 1/f of
+    the top f·K pooled ones, f = P / R (the pooled sorted survivals as a quantile curve, interpolated). With one
+    array and R = R_old this is exactly the top-K sum. At low load one request's confidences from one step are a
+    noisy sample (at R = 1 the choice between drafting and not flips with every hard token); pooling a few
+    steps' worth makes K follow the text's difficulty instead of that noise.
 
     Because K is known *before* drafting, K = 0 means the drafter need not run at all. So with a SpeedProfile the
     K = 0 candidate is scored without the drafting cost (plain decoding), and K = 0 tells the engine to skip the
     drafter: at high load this is what keeps the scheduler at or above plain decoding when drafting is not free.
     """
-    c_old = as_confidences(c_old)
-    base = c_old.shape[0] if n_requests is None else int(n_requests)
-    if base <= 0:
+    steps = [as_confidences(c) for c in (c_old if isinstance(c_old, (list, tuple)) else [c_old])]
+    if not steps:
+        raise ValueError("async_capacity needs at least one step's confidences")
+    base = steps[0].shape[0] if n_requests is None else int(n_requests)
+    pooled = sum(c.shape[0] for c in steps)
+    if base <= 0 or pooled == 0:
         return 0
-    a = np.cumprod(c_old, axis=1)
-    theta = _theta(a.T.ravel()[_visit_order(a)], base, sps)
+    a = -np.sort(-np.concatenate([np.cumprod(c, axis=1).ravel() for c in steps]))  # [P·γ] descending
+    if pooled == base:
+        theta = _theta(a, base, sps)
+    else:
+        f, n_cand = pooled / base, base * steps[0].shape[1]
+        cum = np.concatenate(([0.0], np.cumsum(a)))
+        tau = base + np.interp(f * np.arange(n_cand + 1), np.arange(cum.size), cum) / f  # [n_cand + 1]
+        theta = tau * sps_values(sps, base + np.arange(n_cand + 1), base)
     if isinstance(sps, SpeedProfile):
-        theta[0] = base / float(sps.step_s(base))
+        theta[0] = base / float(sps.step_s(base, n_requests=base))
     return int(np.argmax(theta))
 
 

@@ -12,6 +12,12 @@ Conventions
   * Between table points: piecewise-linear in *time* (time, not speed, is what grows linearly with work).
     Below the first point: flat (a step never gets cheaper than the smallest one measured).
     Above the last point: linear with the last segment's slope (clamped at >= 0), or flat if asked.
+  * A step's cost depends on how many requests share it, not only on B: each request is its own attention
+    segment, with per-op costs of its own (~1.7-2.6 ms per request per step for SmolLM2 on the dev CPU, as much as
+    two extra tokens). The table is measured with ``tokens_per_segment`` tokens per request, so when a caller
+    knows R: step(B, R) = table(B) + segment_seconds · (R − segments(B)), segments(B) = max(1, B // tps). Without
+    it the scheduler at R = 1 overprices an 8-token block by ~20 % and at R = 16 overprices each verified token
+    by ~50 % (the table's slope mixes the price of tokens with that of more requests).
 """
 
 from __future__ import annotations
@@ -98,6 +104,8 @@ class SpeedProfile:
     extrapolate: str = "linear"  # above the last point: "linear" or "flat"
     key: ProfileKey | None = None
     source: str = ""  # free text: "measured", "user table <path>", "synthetic ..."
+    segment_seconds: float = 0.0  # extra seconds per request at a fixed B (0: requests cost nothing extra)
+    tokens_per_segment: int = 0  # how the table split B into requests when measured (0: no request model)
     # Cached numpy views, so sps() on a hot path does not rebuild arrays each call.
     _t: np.ndarray = field(init=False, repr=False, compare=False)
     _s: np.ndarray = field(init=False, repr=False, compare=False)
@@ -112,12 +120,22 @@ class SpeedProfile:
             _check_table(self.draft_requests, self.draft_seconds, "drafting cost table")
         if self.extrapolate not in ("linear", "flat"):
             raise ValueError(f"extrapolate must be 'linear' or 'flat', got {self.extrapolate!r}")
+        if not (np.isfinite(self.segment_seconds) and self.segment_seconds >= 0) or self.tokens_per_segment < 0:
+            raise ValueError(f"segment_seconds must be finite and >= 0 and tokens_per_segment >= 0, got "
+                             f"{self.segment_seconds!r}, {self.tokens_per_segment!r}")
         object.__setattr__(self, "_t", np.asarray(self.tokens, dtype=np.float64))
         object.__setattr__(self, "_s", np.asarray(self.seconds, dtype=np.float64))
 
-    def step_s(self, n_tokens):
-        """Seconds of one verify step over B tokens; B scalar or array [n]."""
-        return _interp(n_tokens, self._t, self._s, self.extrapolate == "linear")
+    def step_s(self, n_tokens, n_requests=None):
+        """Seconds of one verify step over B tokens (scalar or array [n]), shared by ``n_requests`` requests when
+        given (else by as many as the table was measured with)."""
+        t = _interp(n_tokens, self._t, self._s, self.extrapolate == "linear")
+        if n_requests is None or not self.segment_seconds or not self.tokens_per_segment:
+            return t
+        measured_with = np.maximum(1, np.asarray(n_tokens) // self.tokens_per_segment)
+        # Never cheaper than the smallest step measured: a wildly small R must not price a step at ~0 s.
+        t = np.maximum(t + self.segment_seconds * (np.asarray(n_requests) - measured_with), self._s[0])
+        return float(t) if np.ndim(t) == 0 else t
 
     def draft_s(self, n_requests):
         """Seconds of one drafting step for R requests (0 when no drafting table was given)."""
@@ -129,7 +147,7 @@ class SpeedProfile:
 
     def sps(self, n_tokens, n_requests: int | None = None):
         """Steps per second at B tokens; with ``n_requests`` the drafting cost of that many requests is added."""
-        t = self.step_s(n_tokens)
+        t = self.step_s(n_tokens, n_requests)
         if n_requests is not None:
             t = t + self.draft_s(n_requests)
         return 1.0 / t
@@ -145,6 +163,8 @@ def measure_profile(
     warmup: int = 1,
     draft_fn: Callable[[int], object] | None = None,
     request_counts: Iterable[int] = (),
+    one_segment_fn: Callable[[int], object] | None = None,
+    tokens_per_segment: int = 0,
     key: ProfileKey | None = None,
     timer: Callable[[], float] = time.perf_counter,
 ) -> SpeedProfile:
@@ -155,24 +175,32 @@ def measure_profile(
     table point look twice as slow. The repeats are interleaved — round r times every B once — because a
     shared machine changes speed for seconds at a time (up to 1.44x between blocks on the dev VM): timed back to
     back, a slow phase lands on some points and not others and bends the curve the scheduler trusts.
+
+    With ``one_segment_fn`` (the same B tokens as one request) and the ``tokens_per_segment`` split ``step_fn``
+    uses, the largest B is timed both ways too, giving ``segment_seconds``: what one more request costs.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
 
-    def median_times(fn: Callable[[int], object], sizes: list[int]) -> list[float]:
-        for n in sizes:
+    def median_times(jobs: list[tuple[Callable[[int], object], int]]) -> list[float]:
+        for fn, n in jobs:
             for _ in range(warmup):
                 fn(n)
-        times: dict[int, list[float]] = {n: [] for n in sizes}
+        times: list[list[float]] = [[] for _ in jobs]
         for _ in range(repeats):
-            for n in sizes:
+            for (fn, n), ts in zip(jobs, times):
                 t0 = timer()
                 fn(n)
-                times[n].append(timer() - t0)
-        return [float(np.median(times[n])) for n in sizes]
+                ts.append(timer() - t0)
+        return [float(np.median(ts)) for ts in times]
 
     tokens = sorted({int(b) for b in token_counts})
-    seconds = median_times(step_fn, tokens)
+    segments = max(1, tokens[-1] // tokens_per_segment) if tokens_per_segment else 1
+    split_both = one_segment_fn is not None and segments > 1
+    seconds = median_times([(step_fn, b) for b in tokens] + ([(one_segment_fn, tokens[-1])] if split_both else []))
+    one_request = seconds.pop() if split_both else 0.0
+    seg_s = max(0.0, (seconds[-1] - one_request) / (segments - 1)) if split_both else 0.0
     reqs: list[int] = sorted({int(r) for r in request_counts}) if draft_fn is not None else []
-    dsec = median_times(draft_fn, reqs) if draft_fn is not None else []
-    return SpeedProfile(tuple(tokens), tuple(seconds), tuple(reqs), tuple(dsec), key=key, source="measured")
+    dsec = median_times([(draft_fn, r) for r in reqs]) if draft_fn is not None else []
+    return SpeedProfile(tuple(tokens), tuple(seconds), tuple(reqs), tuple(dsec), key=key, source="measured",
+                        segment_seconds=seg_s, tokens_per_segment=tokens_per_segment if split_both else 0)

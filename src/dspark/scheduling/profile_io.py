@@ -10,6 +10,7 @@ Two different failure policies, on purpose:
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import math
 import os
@@ -21,7 +22,7 @@ from ._jsonio import FileFormatError, check_header, read_json, write_json_atomic
 from .profile import ProfileKey, SpeedProfile
 
 FORMAT = "dspark.speed_profile"
-VERSION = 1
+VERSION = 2  # 2: segment_seconds / tokens_per_segment (version-1 caches are re-measured)
 
 
 class ProfileFormatError(FileFormatError):
@@ -39,6 +40,8 @@ def profile_to_dict(p: SpeedProfile) -> dict:
         "draft_seconds": list(p.draft_seconds),
         "extrapolate": p.extrapolate,
         "source": p.source,
+        "segment_seconds": p.segment_seconds,
+        "tokens_per_segment": p.tokens_per_segment,
     }
 
 
@@ -54,6 +57,8 @@ def profile_from_dict(obj: dict, path: str | os.PathLike = "<dict>") -> SpeedPro
             extrapolate=obj.get("extrapolate", "linear"),
             key=key,
             source=str(obj.get("source", "")),
+            segment_seconds=float(obj.get("segment_seconds", 0.0)),
+            tokens_per_segment=int(obj.get("tokens_per_segment", 0)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ProfileFormatError(f"{path}: invalid speed profile: {e}") from e
@@ -91,7 +96,7 @@ def load_or_measure(path: str | os.PathLike, key: ProfileKey, measure: Callable[
     prof = load_cached_profile(path, key)
     if prof is None:
         m = measure()
-        prof = SpeedProfile(m.tokens, m.seconds, m.draft_requests, m.draft_seconds, m.extrapolate, key, m.source)
+        prof = dataclasses.replace(m, key=key)
         save_profile(prof, path)
     return prof
 

@@ -136,33 +136,47 @@ class AsyncPolicy:
     For the first steps there is no old enough history; rather than use the current confidences for K (that would
     make K depend on the current tokens and break losslessness), we fall back to Algorithm 1 with early stop,
     which is lossless on its own.
+
+    K pools the newest old-enough steps until they hold ``pool_requests`` rows (at most ``pool_steps`` steps;
+    see ``async_capacity``): at high load that is the one step lag 2 names, at R = 1 the last 8 drafted steps.
     """
 
     needs_confidence = True
     drafts = True
     name = "async"
 
-    def __init__(self, sps: SPS, lag: int = 2, probe_every: int = 8, max_probe_every: int = 64):
+    def __init__(self, sps: SPS, lag: int = 2, probe_every: int = 8, max_probe_every: int = 64,
+                 pool_requests: int = 8, pool_steps: int = 8):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
             raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {probe_every}, {max_probe_every}")
+        if pool_requests < 1 or pool_steps < 1:
+            raise ValueError(f"pool_requests and pool_steps must be >= 1, got {pool_requests}, {pool_steps}")
         self.sps, self.lag = sps, lag
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self.pool_requests, self.pool_steps = pool_requests, pool_steps
         self.reset()
 
     def reset(self) -> None:
-        self._history: deque[tuple[int, np.ndarray]] = deque(maxlen=self.lag + 1)  # (step, confidences)
+        # (step, confidences) of the last drafted steps: enough to pool `pool_steps` of them `lag` steps back
+        self._history: deque[tuple[int, np.ndarray]] = deque(maxlen=self.lag + self.pool_steps)
         self._step = 0  # index of the step being planned
         self._skipped = 0  # drafter-skipped steps in a row
         self._interval = self.probe_every  # skipped steps before the next probe
         self._planned = False
         self.last_capacity: int | None = None  # K of the current/last step (None: Algorithm 1)
 
-    def _old_confidences(self) -> np.ndarray | None:
-        """The newest confidences from a step at least ``lag`` steps before the current one."""
-        old = [c for step, c in self._history if step <= self._step - self.lag]
-        return old[-1] if old else None
+    def _old_confidences(self) -> list[np.ndarray] | None:
+        """Confidences of the newest steps at least ``lag`` steps before the current one, newest first, until
+        they hold ``pool_requests`` rows (None: no step is old enough yet)."""
+        pool: list[np.ndarray] = []
+        for step, c in reversed(self._history):
+            if step <= self._step - self.lag and len(pool) < self.pool_steps:
+                pool.append(c)
+                if sum(x.shape[0] for x in pool) >= self.pool_requests:
+                    break
+        return pool or None
 
     def prepare(self, n_requests: int) -> bool:
         """Fix K for the coming step (before drafting); returns whether the drafter should run."""

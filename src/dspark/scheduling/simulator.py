@@ -2,7 +2,7 @@
 
 Each step every running request replays a random recorded round (confidences c [γ], accepted count n_acc), the
 policy picks ℓ for all of them at once, request r emits min(n_acc_r, ℓ_r) + 1 tokens, and the clock advances by
-step_s(B = R + sum ℓ) + draft_s(R), the drafting cost being skipped on steps where the policy's ``prepare``
+step_s(B = R + sum ℓ, R segments) + draft_s(R), the drafting cost being skipped on steps where the policy's ``prepare``
 says the drafter need not run (plain decoding; the async scheduler at K = 0). Requests join and leave between steps,
 with no batch-size cap. With ``prompt_tokens`` > 0 a new request first spends steps in prefill: its prompt
 rides in the same forward as the decoding requests (at most ``prefill_chunk`` prompt tokens per step, as the
@@ -141,7 +141,8 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
             sum_ell += int(ell.sum())
             sum_emit += int(emit[decoding].sum())
             request_steps += n_dec
-        dt = float(profile.step_s(b)) + (float(profile.draft_s(n_dec)) if drafted else 0.0)
+        segments = n_dec + int((take > 0).sum())  # each request in the step is an attention segment of its own
+        dt = float(profile.step_s(b, n_requests=segments)) + (float(profile.draft_s(n_dec)) if drafted else 0.0)
         t += dt
         busy += remaining.size * dt
         steps += 1
