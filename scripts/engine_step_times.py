@@ -1,0 +1,100 @@
+"""Engine steps timed one by one against the cached speed profile, and live confidences against acceptance.
+
+    .venv/bin/python scripts/engine_step_times.py --concurrency 1 --seconds 90
+    .venv/bin/python scripts/engine_step_times.py --concurrency 4 --seconds 90 --confidence
+
+Closed-loop clients on the `bench serve` prompt mix, one engine per fixed policy stepped in turn. For every
+decode-only step (no prefill in it) it records B (tokens in the forward) and the step's wall, forward and
+drafter seconds, and prints medians per (policy, B) beside what the profile predicts for that B and request
+count — the check that found the profile's missing per-request price. `--confidence` runs fixed-7 instead and
+compares the calibrated confidences of every fully verified round with what was accepted (over-confidence on
+the live workload makes the scheduler over-draft).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import numpy as np
+
+from dspark.bench.closed_loop import ClosedLoop
+from dspark.bench.serving import ServeBenchConfig, setup
+from dspark.engine.profiling import load_or_profile, profile_key
+
+
+def step_times(loops: dict, seconds: float, profile) -> None:
+    rec = {n: collections.defaultdict(list) for n in loops}
+    t_end = time.time() + seconds
+    while time.time() < t_end:
+        for name, loop in loops.items():
+            s = loop.engine.stats
+            before = (s.steps, s.step_seconds_total, s.forward_seconds_total, s.drafter_seconds_total)
+            loop.tick()
+            plan = loop.engine.last_plan
+            if plan is None or plan.prefilling or not plan.decoding or s.steps == before[0]:
+                continue
+            rec[name][len(plan.tokens)].append((s.step_seconds_total - before[1], s.forward_seconds_total - before[2],
+                                                s.drafter_seconds_total - before[3], len(plan.decoding)))
+    for name, by_b in rec.items():
+        for b, rows in sorted(by_b.items()):
+            if len(rows) < 5:
+                continue
+            a = np.median(np.array(rows), axis=0)
+            r = int(a[3])
+            print(f"{name:8s} B={b:3d} R={r:2d} n={len(rows):4d}  step {1e3 * a[0]:6.1f} ms  forward {1e3 * a[1]:6.1f} "
+                  f"(profile {1e3 * float(profile.step_s(b, n_requests=r)):6.1f})  drafter {1e3 * a[2]:5.1f} "
+                  f"(profile {1e3 * float(profile.draft_s(r)):5.1f})")
+    for name, loop in loops.items():
+        st = loop.engine.stats
+        print(f"{name}: {st.generation_tokens / loop.clock:.1f} tok/s overall, "
+              f"tau {1 + st.num_accepted_tokens / max(1, st.decode_requests_total):.3f}")
+
+
+def confidence_check(loop: ClosedLoop, seconds: float) -> None:
+    engine, conf, acc = loop.engine, [], []
+    t_end = time.time() + seconds
+    while time.time() < t_end:
+        before = {r.request_id: len(r.accepted_hist) for r in engine.running}
+        loop.tick()
+        plan = engine.last_plan
+        if plan is None or plan.confidences is None:
+            continue
+        for i, req in enumerate(plan.decoding):
+            if len(req.accepted_hist) > before.get(req.request_id, 0) and int(plan.lengths[i]) == plan.drafts.shape[1]:
+                conf.append(plan.confidences[i])
+                acc.append(req.accepted_hist[-1])
+    if not conf:
+        print("no fully verified round finished in time; run longer (--seconds)")
+        return
+    c, a = np.array(conf), np.array(acc)
+    surv = np.cumprod(c, axis=1)
+    print(f"{len(a)} rounds: accepted drafts per round {a.mean():.3f}, predicted {surv.sum(1).mean():.3f}")
+    for j in range(c.shape[1]):
+        reached = a >= j
+        if reached.sum():
+            print(f"slot {j + 1}: reached {reached.sum():5d}  acceptance {np.mean(a[reached] > j):.3f}  "
+                  f"mean confidence {c[reached, j].mean():.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--seconds", type=float, default=90.0)
+    ap.add_argument("--drafter", default="dspark")
+    ap.add_argument("--confidence", action="store_true", help="fixed-7: confidences vs acceptance")
+    args = ap.parse_args()
+    policies = ("fixed-7",) if args.confidence else ("none", "mtp1", "fixed-3", "fixed-7")
+    cfg = ServeBenchConfig(drafter=args.drafter, policies=policies, concurrency=(args.concurrency,),
+                           max_new_tokens=64)
+    loaded, drafter, prompts, params, engines = setup(cfg)
+    loops = {n: ClosedLoop(e, prompts, args.concurrency, params, 0.5) for n, e in engines.items()}
+    if args.confidence:
+        confidence_check(loops["fixed-7"], args.seconds)
+        return
+    profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id), drafter=drafter)
+    step_times(loops, args.seconds, profile)
+
+
+if __name__ == "__main__":
+    main()
