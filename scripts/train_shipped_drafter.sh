@@ -1,20 +1,35 @@
 #!/usr/bin/env bash
-# The shipped SmolLM2 drafter, as it was made on the 2-core CPU: the Table-1 DSpark run (400 steps of
-# configs/smollm2-dspark.toml), then that run continued to LONG_STEPS (default 2,400) under a new cosine schedule
-# (a warm restart: the step-400 checkpoint's weights and optimizer state, peak learning rate again).
-# Both stages resume from their last checkpoint when rerun. Prerequisites: data/smollm2-gen and
-# data/smollm2-cache (the commands in configs/smollm2-dspark.toml). Afterwards:
-#   RUN=runs/smollm2-dspark-long scripts/evaluate_shipped_drafter.sh
+# The shipped SmolLM2 drafter, as it was made on the 2-core CPU, in three stages, each resuming from its last
+# checkpoint when rerun:
+#   1. the Table-1 DSpark run: 400 steps of configs/smollm2-dspark.toml on the first 1,376 sequences;
+#   2. that run continued to LONG_STEPS (default 2,400) under a new cosine schedule (a warm restart: the
+#      step-400 checkpoint's weights and optimizer state, peak learning rate again), same 1,376 sequences;
+#   3. (session 9) continued to MORE_STEPS (default 3,200) on the regenerated answers of the first 2,076 prompts
+#      of data/mix.jsonl (2,050 sequences, 0.59 M tokens; the schedule resumes at step 2,400 of a cosine to
+#      MORE_STEPS, i.e. at ~30 % of the peak learning rate).
+# Prerequisites: data/smollm2-gen (`dspark datagen ... --limit 2076`) and data/smollm2-cache (the commands in
+# configs/smollm2-dspark.toml). Afterwards: RUN=runs/smollm2-dspark-more scripts/evaluate_shipped_drafter.sh
 source "$(dirname "$0")/table1_common.sh"
 LONG_STEPS=${LONG_STEPS:-2400}
+MORE_STEPS=${MORE_STEPS:-3200}
 THREADS=${THREADS:-2}
-STEPS=400 train dspark "$THREADS"  # stage 1 = runs/table1-dspark (a no-op when it is already at step 400)
-RUN=runs/smollm2-dspark-long
-if [ ! -f "$RUN/checkpoints/latest.json" ]; then
-  mkdir -p "$RUN/checkpoints"
-  cp -r runs/table1-dspark/checkpoints/step-00000400 "$RUN/checkpoints/"
-  echo '{"step": 400, "dir": "step-00000400"}' > "$RUN/checkpoints/latest.json"
-fi
-"$DSPARK" train --config "$CFG" --set "optim.max_steps=$LONG_STEPS" --set "run.out_dir=$RUN" \
-  --set "run.threads=$THREADS" --set run.progress=false --set run.ckpt_every=50 > "$RUN.log" 2>&1
-.venv/bin/python -c "from dspark.training.train_log import plot_log as p; p('$RUN/train_log.csv', 'results/training/smollm2-dspark-long-train.png')"
+FIRST=1376  # sequences the first two stages saw (the dataset was that long then)
+
+continue_run() {  # from-run from-step to-run steps [--set ...]: warm-start to-run from a checkpoint, then train
+  local from=$1 step=$2 run=$3 steps=$4
+  shift 4
+  local dir
+  dir=$(printf 'step-%08d' "$step")
+  if [ ! -f "$run/checkpoints/latest.json" ]; then
+    mkdir -p "$run/checkpoints"
+    cp -r "$from/checkpoints/$dir" "$run/checkpoints/"
+    echo "{\"step\": $step, \"dir\": \"$dir\"}" > "$run/checkpoints/latest.json"
+  fi
+  "$DSPARK" train --config "$CFG" --set "optim.max_steps=$steps" --set "run.out_dir=$run" \
+    --set "run.threads=$THREADS" --set run.progress=false --set run.ckpt_every=50 "$@" > "$run.log" 2>&1
+}
+
+STEPS=400 train dspark "$THREADS" --set data.limit=$FIRST  # stage 1 = runs/table1-dspark
+continue_run runs/table1-dspark 400 runs/smollm2-dspark-long "$LONG_STEPS" --set data.limit=$FIRST
+continue_run runs/smollm2-dspark-long "$LONG_STEPS" runs/smollm2-dspark-more "$MORE_STEPS"
+.venv/bin/python -c "from dspark.training.train_log import plot_log as p; p('runs/smollm2-dspark-more/train_log.csv', 'results/training/smollm2-dspark-more-train.png')"
