@@ -184,7 +184,7 @@ def add_profile(sub) -> None:
                        description="Time one verification forward against the number of tokens B; the table is "
                                    "cached per model, drafter, machine and dtype for the scheduler.")
     _add_model_args(p)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--force", action="store_true", help="re-measure even if a matching cached profile exists")
     p.add_argument("--drafter", default="none",
                    help="also measure this drafter's cost per step against the number of requests (none: target only)")
@@ -205,6 +205,9 @@ def run_profile(args) -> int:
     print("tokens\tms/step\tsteps/s")
     for b, s in zip(prof.tokens, prof.seconds):
         print(f"{b}\t{s * 1000:.1f}\t{1 / s:.2f}")
+    if prof.tokens_per_segment:
+        print(f"# measured with {prof.tokens_per_segment} tokens per request; one more request at a fixed B costs "
+              f"{prof.segment_seconds * 1000:.2f} ms")
     if prof.draft_requests:
         print("requests\tdraft ms/step")
         for r, s in zip(prof.draft_requests, prof.draft_seconds):

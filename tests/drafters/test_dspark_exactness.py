@@ -83,13 +83,13 @@ def _engine_run(target, drafter, policy, prompts, params, prefill_chunk=6):
     return reqs
 
 
-@pytest.mark.parametrize("policy_name", ["fixed-4", "sync", "async"])
+@pytest.mark.parametrize("policy_name", ["fixed-4", "sync", "async", "async-online"])
 def test_engine_greedy_with_dspark_drafter_equals_plain(policy_name):
     from dspark.scheduling.registry import make_policy
 
     target = tiny_target(seed=4, scale=6.0)
     drafter = tiny_drafter(target, head="markov", block=4)
-    kwargs = {"sps": lambda b: 1.0 / (0.01 + 1e-4 * b)} if policy_name in ("sync", "async") else {}
+    kwargs = {"sps": lambda b: 1.0 / (0.01 + 1e-4 * b)} if policy_name in ("sync", "async", "async-online") else {}
     prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [5, 17, 33, 2, 9], [40, 41]]
     params = [SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)] * 3
     reqs = _engine_run(target, drafter, make_policy(policy_name, **kwargs), prompts, params)
@@ -121,7 +121,14 @@ def assert_first_tokens_match_target(target, outs, n: int) -> None:
     assert p > 1e-3
 
 
-def assert_seeded_engine_reproducible(target, drafter) -> None:
+def test_engine_seeded_sampling_with_online_calibrated_async():
+    # The online correction reads verification outcomes, which are functions of the seeded draws: still reproducible.
+    target = tiny_target(seed=4, scale=2.0)
+    drafter = tiny_drafter(target, head="markov", block=4)
+    assert_seeded_engine_reproducible(target, drafter, "async-online", sps=lambda b: 1.0 / (0.01 + 1e-4 * b))
+
+
+def assert_seeded_engine_reproducible(target, drafter, policy="fixed-4", **policy_args) -> None:
     """Through the engine at T = 1: the same seeds give the same outputs, other seeds other outputs."""
     from dspark.scheduling.registry import make_policy
 
@@ -129,7 +136,7 @@ def assert_seeded_engine_reproducible(target, drafter) -> None:
 
     def run(seed):
         params = [SamplingParams(temperature=1.0, max_new_tokens=20, seed=seed + i, ignore_eos=True) for i in range(2)]
-        return [r.output for r in _engine_run(target, drafter, make_policy("fixed-4"), prompts, params)]
+        return [r.output for r in _engine_run(target, drafter, make_policy(policy, **policy_args), prompts, params)]
 
     assert run(7) == run(7)
     assert run(7) != run(8)

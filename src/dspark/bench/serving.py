@@ -102,9 +102,10 @@ def run(cfg: ServeBenchConfig) -> dict:
         simulated(cfg, loaded, drafter, cells, prompt_tokens=round(sum(map(len, prompts)) / len(prompts)))
     matched = per_user_at_matched_throughput(cells) if "mtp1" in cfg.policies else []
     paired = paired_ratios(runs) if "async" in cfg.policies else []
+    online = paired_ratios(runs, "async-online") if "async-online" in cfg.policies else []
     data = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
             "machine": machine_info(), "cells": cells, "per_user_vs_mtp1_at_matched_throughput": matched,
-            "async_paired_ratios": paired, "runs": runs}
+            "async_paired_ratios": paired, "async_online_paired_ratios": online, "runs": runs}
     sim = cfg.traces is not None
     md = (f"# Serving benchmark ({cfg.model}, drafter {cfg.drafter}, T={cfg.temperature:g}, "
           f"{cfg.max_new_tokens} ± {100 * cfg.length_spread:g} % new tokens per request, "
@@ -124,10 +125,13 @@ def run(cfg: ServeBenchConfig) -> dict:
                                 f"{c['throughput_tok_s'] / c['sim_throughput_tok_s']:.2f}"] if sim else [])
                             for c in cells]) + "\n")
     if paired:
+        extra = ["async-online / best fixed"] if online else []
         md += (f"\nAsync scheduler's throughput over the best of the fixed policies run (none, mtp1, fixed-K) and over "
                f"none, paired within each of {cfg.repeats} repeat(s): median [min, max]\n\n"
-               + markdown_table(["C", "async / best fixed", "async / none"],
-                                [[r["concurrency"], _span(r["vs_best_fixed"]), _span(r["vs_none"])] for r in paired])
+               + markdown_table(["C", "async / best fixed", "async / none", *extra],
+                                [[r["concurrency"], _span(r["vs_best_fixed"]), _span(r["vs_none"])]
+                                 + ([_span(o["vs_best_fixed"])] if online else []) for r, o in
+                                 zip(paired, online or paired)])
                + "\n")
     if matched:
         others = [p for p in dict.fromkeys(c["policy"] for c in cells) if p != "mtp1"]

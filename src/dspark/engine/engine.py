@@ -163,6 +163,9 @@ class Engine:
         stop_mask = torch.stack([self._stop_mask(r, plan.drafts[i]) for i, r in enumerate(reqs)])
         result = verify_requests(logits, plan.drafts, plan.lengths, plan.draft_probs, [r.params for r in reqs],
                                  [r.generator for r in reqs], stop_mask)
+        observe = getattr(self.policy, "observe_outcomes", None)  # online calibration (scheduling/acceptance_tracker)
+        if observe is not None and plan.confidences is not None:
+            observe(plan.confidences, plan.lengths.numpy(), result.accepted.numpy())
         outputs = []
         for i, req in enumerate(reqs):
             try:

@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from .acceptance_tracker import AcceptanceTracker
 from .policies import (
     SPS,
     as_confidences,
@@ -139,14 +140,18 @@ class AsyncPolicy:
 
     K pools the newest old-enough steps until they hold ``pool_requests`` rows (at most ``pool_steps`` steps;
     see ``async_capacity``): at high load that is the one step lag 2 names, at R = 1 the last 8 drafted steps.
+
+    With ``online_calibration`` (policy ``async-online``) every confidence it uses is first scaled by the ratio of
+    accepted to predicted drafts on the verified slots so far (``acceptance_tracker.py``); the engine reports each
+    verified step through ``observe_outcomes``. Not the default: on the dev CPU it lowered the verify budget where
+    the offline calibration ran over-confident but bought no throughput (results/serving-dspark-more).
     """
 
     needs_confidence = True
     drafts = True
-    name = "async"
 
     def __init__(self, sps: SPS, lag: int = 2, probe_every: int = 8, max_probe_every: int = 64,
-                 pool_requests: int = 8, pool_steps: int = 8):
+                 pool_requests: int = 8, pool_steps: int = 8, online_calibration: bool = False):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -156,6 +161,8 @@ class AsyncPolicy:
         self.sps, self.lag = sps, lag
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.pool_requests, self.pool_steps = pool_requests, pool_steps
+        self.tracker = AcceptanceTracker() if online_calibration else None
+        self.name = "async-online" if online_calibration else "async"
         self.reset()
 
     def reset(self) -> None:
@@ -166,6 +173,8 @@ class AsyncPolicy:
         self._interval = self.probe_every  # skipped steps before the next probe
         self._planned = False
         self.last_capacity: int | None = None  # K of the current/last step (None: Algorithm 1)
+        if self.tracker is not None:
+            self.tracker.reset()
 
     def _old_confidences(self) -> list[np.ndarray] | None:
         """Confidences of the newest steps at least ``lag`` steps before the current one, newest first, until
@@ -181,6 +190,8 @@ class AsyncPolicy:
     def prepare(self, n_requests: int) -> bool:
         """Fix K for the coming step (before drafting); returns whether the drafter should run."""
         c_old = self._old_confidences()
+        if c_old is not None and self.tracker is not None:
+            c_old = [self.tracker.adjust(c) for c in c_old]
         self.last_capacity = None if c_old is None else async_capacity(c_old, self.sps, n_requests=n_requests)
         if self.last_capacity:
             self._interval = self.probe_every
@@ -204,9 +215,16 @@ class AsyncPolicy:
         self._skipped = 0
         c = _need_conf(self.name, c)
         self._history.append((step, c.copy()))  # copy: the caller may reuse its buffer next step
+        if self.tracker is not None:
+            c = self.tracker.adjust(c)
         if self.last_capacity is None:
             return sync_prefix_schedule(c, self.sps)
         return async_schedule(c, self.last_capacity)
+
+    def observe_outcomes(self, c, lengths, accepted) -> None:
+        """After verification: the step's unadjusted confidences [R, γ], verified lengths [R], accepted [R]."""
+        if self.tracker is not None and c is not None:
+            self.tracker.update(c, lengths, accepted)
 
 
 def _fixed(k: int = 0) -> FixedPolicy:
@@ -220,6 +238,8 @@ POLICIES: dict[str, tuple[Callable[..., object], bool, str]] = {
     "fixed": (_fixed, False, "verify k drafts per request (also spelled fixed-<k>)"),
     "sync": (SyncPolicy, True, "Algorithm 1: hardware-aware greedy prefix scheduler with early stop"),
     "async": (AsyncPolicy, True, "asynchronous scheduler: capacity from 2 steps earlier, top-K now"),
+    "async-online": (lambda **kw: AsyncPolicy(online_calibration=True, **kw), True,
+                     "async with confidences corrected online by the acceptance seen so far"),
     "threshold": (ThresholdPolicy, True, "static per-slot confidence threshold"),
 }
 CONFIDENCE_FREE = tuple(n for n, (_, needs, _) in POLICIES.items() if not needs)

@@ -2,13 +2,13 @@
 
 Each step every running request replays a random recorded round (confidences c [γ], accepted count n_acc), the
 policy picks ℓ for all of them at once, request r emits min(n_acc_r, ℓ_r) + 1 tokens, and the clock advances by
-step_s(B = R + sum ℓ, R segments) + draft_s(R), the drafting cost being skipped on steps where the policy's ``prepare``
-says the drafter need not run (plain decoding; the async scheduler at K = 0). Requests join and leave between steps,
-with no batch-size cap. With ``prompt_tokens`` > 0 a new request first spends steps in prefill: its prompt
-rides in the same forward as the decoding requests (at most ``prefill_chunk`` prompt tokens per step, as the
+step_s(B = R + sum ℓ, R requests) + draft_s(R), the drafting cost being skipped on steps where the policy's
+``prepare`` says the drafter need not run (plain decoding; the async scheduler at K = 0). Requests join and leave
+between steps, with no batch-size cap. With ``prompt_tokens`` > 0 a new request first spends steps in prefill: its
+prompt rides in the same forward as the decoding requests (at most ``prefill_chunk`` prompt tokens per step, as the
 engine does), adding to B, and its first token comes out of the step that finishes the prompt. Everything is
-seeded; policies compared with the same seed see the same round draws as long as their batches have the same
-size, which keeps comparisons between them low-noise.
+seeded; policies compared with the same seed see the same round draws as long as their batches have the same size,
+which keeps comparisons between them low-noise.
 
 Reported per run (``SimResult``):
   throughput_tps  aggregate emitted tokens / simulated seconds
@@ -137,6 +137,8 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
             shown = conf if (drafted and policy.needs_confidence) else None
             ell = policy.select(shown, n_requests=n_dec, gamma=gamma)
             emit[decoding] = np.minimum(n_acc, ell) + 1
+            if shown is not None and hasattr(policy, "observe_outcomes"):
+                policy.observe_outcomes(shown, ell, np.minimum(n_acc, ell))
             b += int(ell.sum())
             sum_ell += int(ell.sum())
             sum_emit += int(emit[decoding].sum())
