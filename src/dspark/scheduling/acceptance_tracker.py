@@ -1,7 +1,7 @@
 """Online correction of calibrated confidences against the acceptance the engine actually sees.
 
 STS calibration is fitted offline on a held-out prompt set; live traffic is another distribution. On the
-`bench serve` mix the shipped drafter's calibrated slot confidences run ~11 % above the acceptance measured
+`bench serve` mix the 2,400-step drafter's calibrated slot confidences ran ~11 % above the acceptance measured
 (slot 1: 0.368 predicted, 0.330 accepted; `scripts/engine_step_times.py --confidence`), and a top-K scheduler
 admits exactly the slots whose confidence is most over-estimated, so it drafts where drafting loses.
 
