@@ -2,13 +2,16 @@
 
     .venv/bin/python scripts/engine_step_times.py --concurrency 1 --seconds 90
     .venv/bin/python scripts/engine_step_times.py --concurrency 4 --seconds 90 --confidence
+    .venv/bin/python scripts/engine_step_times.py --concurrency 1 --seconds 75 --async-decisions
 
 Closed-loop clients on the `bench serve` prompt mix, one engine per fixed policy stepped in turn. For every
 decode-only step (no prefill in it) it records B (tokens in the forward) and the step's wall, forward and
 drafter seconds, and prints medians per (policy, B) beside what the profile predicts for that B and request
 count — the check that found the profile's missing per-request price. `--confidence` runs fixed-7 instead and
 compares the calibrated confidences of every fully verified round with what was accepted (over-confidence on
-the live workload makes the scheduler over-draft).
+the live workload makes the scheduler over-draft). `--async-decisions` runs the async scheduler and counts its
+steps by kind (drafter skipped, K > 0 from old confidences, probe / Algorithm 1) with the drafts each verified
+and how many of those were accepted.
 """
 from __future__ import annotations
 
@@ -77,20 +80,45 @@ def confidence_check(loop: ClosedLoop, seconds: float) -> None:
                   f"mean confidence {c[reached, j].mean():.3f}")
 
 
+def async_decisions(loop: ClosedLoop, seconds: float) -> None:
+    engine, policy = loop.engine, loop.engine.policy
+    steps, verified = collections.Counter(), collections.Counter()
+    t_end = time.time() + seconds
+    while time.time() < t_end:
+        loop.tick()
+        plan = engine.last_plan
+        if plan is None or not plan.decoding:
+            continue
+        k = policy.last_capacity
+        kind = "probe / Algorithm 1" if k is None else "skipped" if k == 0 else "K > 0"
+        steps[kind] += 1
+        verified[kind] += int(plan.lengths.sum())
+    st = engine.stats
+    for kind, n in steps.most_common():
+        print(f"{kind:20s} {n:6d} steps ({100 * n / sum(steps.values()):5.1f} %), {verified[kind]:6d} drafts verified")
+    print(f"accepted {st.num_accepted_tokens} of {st.num_draft_tokens} verified drafts "
+          f"({100 * st.num_accepted_tokens / max(1, st.num_draft_tokens):.1f} %)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=90.0)
     ap.add_argument("--drafter", default="dspark")
     ap.add_argument("--confidence", action="store_true", help="fixed-7: confidences vs acceptance")
+    ap.add_argument("--async-decisions", action="store_true", help="async: steps by kind of decision")
     args = ap.parse_args()
-    policies = ("fixed-7",) if args.confidence else ("none", "mtp1", "fixed-3", "fixed-7")
+    policies = (("fixed-7",) if args.confidence else ("async",) if args.async_decisions
+                else ("none", "mtp1", "fixed-3", "fixed-7"))
     cfg = ServeBenchConfig(drafter=args.drafter, policies=policies, concurrency=(args.concurrency,),
                            max_new_tokens=64)
     loaded, drafter, prompts, params, engines = setup(cfg)
     loops = {n: ClosedLoop(e, prompts, args.concurrency, params, 0.5) for n, e in engines.items()}
     if args.confidence:
         confidence_check(loops["fixed-7"], args.seconds)
+        return
+    if args.async_decisions:
+        async_decisions(loops["async"], args.seconds)
         return
     profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id), drafter=drafter)
     step_times(loops, args.seconds, profile)
