@@ -125,13 +125,13 @@ def run(cfg: ServeBenchConfig) -> dict:
                                 f"{c['throughput_tok_s'] / c['sim_throughput_tok_s']:.2f}"] if sim else [])
                             for c in cells]) + "\n")
     if paired:
-        extra = ["async-online / best fixed"] if online else []
+        rows = [[r["concurrency"], _span(r["vs_best_fixed"]), _span(r["vs_none"])] for r in paired]
+        for row, o in zip(rows, online):  # same concurrency levels in the same order
+            row.append(_span(o["vs_best_fixed"]))
         md += (f"\nAsync scheduler's throughput over the best of the fixed policies run (none, mtp1, fixed-K) and over "
                f"none, paired within each of {cfg.repeats} repeat(s): median [min, max]\n\n"
-               + markdown_table(["C", "async / best fixed", "async / none", *extra],
-                                [[r["concurrency"], _span(r["vs_best_fixed"]), _span(r["vs_none"])]
-                                 + ([_span(o["vs_best_fixed"])] if online else []) for r, o in
-                                 zip(paired, online or paired)])
+               + markdown_table(["C", "async / best fixed", "async / none"]
+                                + (["async-online / best fixed"] if online else []), rows)
                + "\n")
     if matched:
         others = [p for p in dict.fromkeys(c["policy"] for c in cells) if p != "mtp1"]
