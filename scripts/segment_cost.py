@@ -1,0 +1,52 @@
+"""What one more request costs the target's forward at a fixed token count: B tokens as one request or as many.
+
+    .venv/bin/python scripts/segment_cost.py
+
+Each request in a step is an attention segment with its own cache writes, key slices and (for more than one token)
+mask, so 16 requests of 1 token cost more than 1 request of 16 tokens. The speed profile models this
+(`SpeedProfile.segment_seconds`); this prints the raw medians it rests on, 300-token contexts, 9 interleaved repeats.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from dspark.models import load_model
+from dspark.models.transformer import Segment
+
+CONTEXT = 300
+CASES = {"1 x 1": [1], "1 x 4": [4], "1 x 8": [8], "2 x 4": [4, 4], "8 x 1": [1] * 8, "4 x 4": [4] * 4,
+         "1 x 16": [16], "16 x 1": [1] * 16, "1 x 64": [64], "16 x 4": [4] * 16}
+
+
+def main() -> None:
+    model = load_model("smollm2-135m-instruct").model
+    caches = []
+    for _ in range(16):
+        cache = model.new_cache(CONTEXT + 64)
+        model.forward(torch.arange(CONTEXT) % 1000, [Segment(cache, 0, CONTEXT)])
+        caches.append(cache)
+
+    def step(parts: list[int]) -> None:
+        model.forward(torch.zeros(sum(parts), dtype=torch.long),
+                      [Segment(c, CONTEXT, n) for c, n in zip(caches, parts)])
+        for c in caches[:len(parts)]:
+            c.truncate(CONTEXT)
+
+    for parts in CASES.values():  # warm-up
+        step(parts)
+    times: dict[str, list[float]] = {k: [] for k in CASES}
+    for _ in range(9):
+        for name, parts in CASES.items():
+            t0 = time.perf_counter()
+            step(parts)
+            times[name].append(time.perf_counter() - t0)
+    print("requests x tokens each\tms per forward (median)")
+    for name in CASES:
+        print(f"{name}\t{1e3 * np.median(times[name]):.1f}")
+
+
+if __name__ == "__main__":
+    main()
