@@ -3,6 +3,7 @@
     .venv/bin/python scripts/engine_step_times.py --concurrency 1 --seconds 90
     .venv/bin/python scripts/engine_step_times.py --concurrency 4 --seconds 90 --confidence
     .venv/bin/python scripts/engine_step_times.py --concurrency 1 --seconds 75 --async-decisions
+    .venv/bin/python scripts/engine_step_times.py --concurrency 1 --seconds 75 --async-decisions async-online
 
 Closed-loop clients on the `bench serve` prompt mix, one engine per fixed policy stepped in turn. For every
 decode-only step (no prefill in it) it records B (tokens in the forward) and the step's wall, forward and
@@ -96,7 +97,7 @@ def async_decisions(loop: ClosedLoop, seconds: float) -> None:
     st = engine.stats
     for kind, n in steps.most_common():
         print(f"{kind:20s} {n:6d} steps ({100 * n / sum(steps.values()):5.1f} %), {verified[kind]:6d} drafts verified")
-    print(f"accepted {st.num_accepted_tokens} of {st.num_draft_tokens} verified drafts "
+    print(f"{st.generation_tokens / loop.clock:.1f} tok/s; accepted {st.num_accepted_tokens} of {st.num_draft_tokens} verified drafts "
           f"({100 * st.num_accepted_tokens / max(1, st.num_draft_tokens):.1f} %)")
 
 
@@ -105,11 +106,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=90.0)
     ap.add_argument("--drafter", default="dspark")
+    ap.add_argument("--policies", default="none,mtp1,fixed-3,fixed-7", help="policies to time (comma-separated)")
     ap.add_argument("--confidence", action="store_true", help="fixed-7: confidences vs acceptance")
-    ap.add_argument("--async-decisions", action="store_true", help="async: steps by kind of decision")
+    ap.add_argument("--async-decisions", nargs="?", const="async", default=None, metavar="POLICY",
+                    help="an async scheduler (default async): steps by kind of decision")
     args = ap.parse_args()
-    policies = (("fixed-7",) if args.confidence else ("async",) if args.async_decisions
-                else ("none", "mtp1", "fixed-3", "fixed-7"))
+    policies = (("fixed-7",) if args.confidence else (args.async_decisions,) if args.async_decisions
+                else tuple(args.policies.split(",")))
     cfg = ServeBenchConfig(drafter=args.drafter, policies=policies, concurrency=(args.concurrency,),
                            max_new_tokens=64)
     loaded, drafter, prompts, params, engines = setup(cfg)
@@ -118,7 +121,7 @@ def main() -> None:
         confidence_check(loops["fixed-7"], args.seconds)
         return
     if args.async_decisions:
-        async_decisions(loops["async"], args.seconds)
+        async_decisions(loops[args.async_decisions], args.seconds)
         return
     profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id), drafter=drafter)
     step_times(loops, args.seconds, profile)

@@ -6,6 +6,7 @@ import pytest
 from dspark.scheduling import (
     CONFIDENCE_FREE,
     AsyncPolicy,
+    POLICIES,
     ConfidenceRequiredError,
     SpeedProfile,
     async_capacity,
@@ -236,6 +237,7 @@ def test_confidence_free_error_names_working_policies():
     with pytest.raises(ConfidenceRequiredError, match="none, mtp1, fixed"):
         pol.select(None, n_requests=3, gamma=7)
     assert set(CONFIDENCE_FREE) == {"none", "mtp1", "fixed"}
+    assert CONFIDENCE_FREE == tuple(n for n, (_, needs, _) in POLICIES.items() if not needs)  # the literal is current
     with pytest.raises(TypeError, match="sync"):
         make_policy("sync")  # missing sps
 
@@ -312,20 +314,36 @@ def test_async_policy_backs_off_probing_while_speculation_does_not_pay():
     assert np.diff(drafted[4:]).tolist() == [9] * (len(drafted) - 5)
 
 
-def test_async_capacity_pools_steps_as_a_quantile_curve():
+def test_async_capacity_pools_steps_as_the_mean_of_their_curves():
+    from dspark.scheduling.policies import pooled_gains
+
     rng = np.random.default_rng(5)
     prof = SpeedProfile((1, 4, 16, 64), (1.0, 1.3, 2.0, 5.0), (1, 64), (0.2, 0.6))
     c = rng.beta(3, 1, size=(4, 5))
     k = async_capacity(c, prof)
     assert async_capacity([c], prof) == k
-    assert async_capacity([c, c, c], prof, n_requests=4) == k  # three copies: the same quantile curve
-    # One row per step at R = 1: the pool of 8 steps is priced like those 8 rows spread over 8 requests, per request
+    assert async_capacity([c, c, c], prof, n_requests=4) == k  # three copies: the same curve
+    # One row per step at R = 1: one request verifies a prefix of its own row, so the expected gain of K drafts
+    # is the mean of the rows' own cumulative survivals at K, not the top 8K of all 40 pooled survivals / 8
+    # (that curve mixes the best rows' later slots into "slot 1" and over-promises)
     rows = [rng.beta(3, 1, size=(1, 5)) for _ in range(8)]
     flat = lambda b: 1.0 / (1.0 + 0.3 * b)  # noqa: E731
-    pooled = async_capacity(rows, flat, n_requests=1)
+    gains = pooled_gains(rows, n_requests=1)
+    per_row = np.mean([np.concatenate(([0.0], np.cumsum(np.cumprod(r)))) for r in rows], axis=0)
+    np.testing.assert_allclose(gains, per_row)
     a = -np.sort(-np.cumprod(np.concatenate(rows), axis=1).ravel())
-    theta = [(1 + np.cumsum(np.concatenate(([0.0], a)))[8 * k] / 8) * flat(1 + k) for k in range(6)]
-    assert pooled == int(np.argmax(theta))
+    whole_pool = np.cumsum(np.concatenate(([0.0], a)))[8 * np.arange(6)] / 8
+    assert np.all(gains <= whole_pool + 1e-12) and gains[1] < whole_pool[1]
+    theta = [(1 + gains[k]) * flat(1 + k) for k in range(6)]
+    assert async_capacity(rows, flat, n_requests=1) == int(np.argmax(theta))
+    # Two requests now, steps of 4 and 1 rows: each step's curve priced for 2 requests, weighted by its rows
+    two = [rng.beta(3, 1, size=(4, 5)), rng.beta(3, 1, size=(1, 5))]
+    curves = []
+    for step in two:
+        cum = np.concatenate(([0.0], np.cumsum(-np.sort(-np.cumprod(step, axis=1).ravel()))))
+        f = step.shape[0] / 2
+        curves.append(np.interp(f * np.arange(11), np.arange(cum.size), cum) / f)
+    np.testing.assert_allclose(pooled_gains(two, n_requests=2), (4 * curves[0] + curves[1]) / 5)
     with pytest.raises(ValueError, match="at least one"):
         async_capacity([], prof)
 
@@ -356,3 +374,26 @@ def test_async_policy_rejects_bad_probe_interval():
         AsyncPolicy(lambda b: 1.0, probe_every=0)
     with pytest.raises(ValueError, match="probe_every"):
         AsyncPolicy(lambda b: 1.0, probe_every=16, max_probe_every=8)
+
+
+def test_async_policy_reuses_k_while_its_pool_is_unchanged(monkeypatch):
+    import dspark.scheduling.async_policy as ap
+
+    calls = []
+    real = ap.async_capacity
+    monkeypatch.setattr(ap, "async_capacity", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prof = SpeedProfile((1, 4, 8), (1.0, 1.25, 1.6), (1, 8), (0.3, 0.3))
+    rng = np.random.default_rng(2)
+    memo, fresh = AsyncPolicy(prof, probe_every=4), AsyncPolicy(prof, probe_every=4)
+    ks = {id(memo): [], id(fresh): []}
+    cs = [rng.beta(1, 3, size=(1, 7)) for _ in range(300)]
+    for pol in (memo, fresh):
+        for c in cs:
+            if pol is fresh:
+                pol._memo = (None, 0, None)  # forget: every step priced from scratch
+            ks[id(pol)].append(pol.prepare(1) and pol.last_capacity)
+            pol.select(c if pol.last_capacity != 0 else None, n_requests=1)
+        if pol is memo:
+            n_memo, calls[:] = len(calls), []
+    assert ks[id(memo)] == ks[id(fresh)]  # the same decisions
+    assert n_memo < len(calls) / 3  # most steps skip the drafter, so most prices are reused

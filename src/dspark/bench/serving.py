@@ -102,10 +102,11 @@ def run(cfg: ServeBenchConfig) -> dict:
         simulated(cfg, loaded, drafter, cells, prompt_tokens=round(sum(map(len, prompts)) / len(prompts)))
     matched = per_user_at_matched_throughput(cells) if "mtp1" in cfg.policies else []
     paired = paired_ratios(runs) if "async" in cfg.policies else []
-    online = paired_ratios(runs, "async-online") if "async-online" in cfg.policies else []
+    variants = {v: paired_ratios(runs, v) for v in ASYNC_VARIANTS if v in cfg.policies}  # paired columns
     data = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
             "machine": machine_info(), "cells": cells, "per_user_vs_mtp1_at_matched_throughput": matched,
-            "async_paired_ratios": paired, "async_online_paired_ratios": online, "runs": runs}
+            "async_paired_ratios": paired,
+            **{f"{v.replace('-', '_')}_paired_ratios": r for v, r in variants.items()}, "runs": runs}
     sim = cfg.traces is not None
     md = (f"# Serving benchmark ({cfg.model}, drafter {cfg.drafter}, T={cfg.temperature:g}, "
           f"{cfg.max_new_tokens} ± {100 * cfg.length_spread:g} % new tokens per request, "
@@ -126,12 +127,13 @@ def run(cfg: ServeBenchConfig) -> dict:
                             for c in cells]) + "\n")
     if paired:
         rows = [[r["concurrency"], _span(r["vs_best_fixed"]), _span(r["vs_none"])] for r in paired]
-        for row, o in zip(rows, online):  # same concurrency levels in the same order
-            row.append(_span(o["vs_best_fixed"]))
+        for ratios in variants.values():  # same concurrency levels in the same order
+            for row, o in zip(rows, ratios):
+                row.append(_span(o["vs_best_fixed"]))
         md += (f"\nAsync scheduler's throughput over the best of the fixed policies run (none, mtp1, fixed-K) and over "
                f"none, paired within each of {cfg.repeats} repeat(s): median [min, max]\n\n"
                + markdown_table(["C", "async / best fixed", "async / none"]
-                                + (["async-online / best fixed"] if online else []), rows)
+                                + [f"{v} / best fixed" for v in variants], rows)
                + "\n")
     if matched:
         others = [p for p in dict.fromkeys(c["policy"] for c in cells) if p != "mtp1"]
@@ -202,6 +204,9 @@ def median_cells(runs: list[dict]) -> list[dict]:
         cells.append({"policy": policy, "concurrency": c, **cell, "throughput_min": min(thr),
                       "throughput_max": max(thr), "repeats": len(rs)})
     return cells
+
+
+ASYNC_VARIANTS = ("async-online",)  # async schedulers reported beside the default in the paired table
 
 
 def paired_ratios(runs: list[dict], policy: str = "async") -> list[dict]:

@@ -30,7 +30,7 @@ def build_policy(name: str, drafter, model_id: str, dtype: str, model, gamma: in
     if name == "auto":
         name = "async" if has_conf else f"fixed-{gamma}"
     kwargs = {}
-    if name in ("sync", "async", "async-online"):
+    if name == "sync" or name.startswith("async"):
         from .profiling import load_or_profile, profile_key
         if has_conf:
             kwargs["sps"] = load_or_profile(model, profile_key(model_id, dtype, drafter.profile_id), drafter=drafter)

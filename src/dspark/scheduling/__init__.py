@@ -1,7 +1,7 @@
 """Scheduling: hardware speed profile, verification-length policies, STS calibration, serving simulator.
 
 Pure numpy; no torch needed at import time (torch tensors are accepted where documented). Dependency direction:
-profile <- policies <- registry <- simulator; calibration <- traces <- simulator.
+profile <- policies <- policy_objects, async_policy <- registry <- simulator; calibration <- traces <- simulator.
 """
 
 from .calibration import Calibration, CalibrationFormatError, evaluate, fit_sts, prefix_events

@@ -115,6 +115,44 @@ def sync_prefix_schedule_unsafe_no_early_stop(c, sps: SPS) -> np.ndarray:
     return sync_prefix_schedule(c, sps, unsafe=True)
 
 
+def _pool(c_old, n_requests: int | None) -> tuple[list[np.ndarray], int, int]:
+    """(steps' confidences, current R, pooled rows P) from one [R_old, γ] array or a list of them."""
+    steps = [as_confidences(c) for c in (c_old if isinstance(c_old, (list, tuple)) else [c_old])]
+    if not steps:
+        raise ValueError("async_capacity needs at least one step's confidences")
+    base = steps[0].shape[0] if n_requests is None else int(n_requests)
+    return steps, base, sum(c.shape[0] for c in steps)
+
+
+def _sorted_survivals(steps: list[np.ndarray]) -> np.ndarray:
+    return -np.sort(-np.concatenate([np.cumprod(c, axis=1).ravel() for c in steps]))  # [P·γ] descending
+
+
+def pooled_gains(c_old, *, n_requests: int | None = None) -> np.ndarray:
+    """Expected accepted drafts this step if the n best current slots are verified, n = 0..R·γ -> [R·γ + 1], from
+    earlier steps' confidences (one [R_old, γ] array or a list of them): the mean of each step's own curve
+    (weighted by its rows), a step of R_old rows priced for R requests as the quantile curve 1/f of its top f·n
+    survivals, f = R_old / R. With one step and R = R_old it is the cumulative sum of the sorted survivals.
+
+    Why per step and not one quantile curve over all pooled rows: a request's drafts are a prefix of *its* row,
+    so the best slots of R requests are the best of R rows, not the best of the whole pool. At R = 1 with 8 pooled
+    rows the single curve took the top 8 of 56 survivals (the best rows' slots 1 and 2) as "slot 1", which
+    over-promised exactly where K > 0 was chosen (26.6 % of such drafts accepted where the estimate said ≥ 41 %).
+    """
+    steps, base, pooled = _pool(c_old, n_requests)
+    if base <= 0 or pooled == 0:
+        return np.zeros(1)
+    n_cand = base * steps[0].shape[1]
+    total = np.zeros(n_cand + 1)
+    for c in steps:
+        if c.shape[0] == 0:
+            continue
+        cum = np.concatenate(([0.0], np.cumsum(_sorted_survivals([c]))))
+        f = c.shape[0] / base
+        total += c.shape[0] * (cum if f == 1 else np.interp(f * np.arange(n_cand + 1), np.arange(cum.size), cum) / f)
+    return total / pooled
+
+
 def async_capacity(c_old, sps: SPS, *, n_requests: int | None = None) -> int:
     """Capacity K (total drafts to admit) from confidences of earlier steps: argmax over all prefixes of the
     sorted survivals of Θ (no early stop, so a jagged SPS curve cannot trap the search at a local maximum).
@@ -123,31 +161,23 @@ def async_capacity(c_old, sps: SPS, *, n_requests: int | None = None) -> int:
     because K is computed before the current step's tokens exist. ``n_requests`` (the current R, known before
     drafting) sets the base of τ and B; default: the first array's R_old.
 
-    Pooling: with P pooled rows for R current requests, the top-K survivals of R requests are estimated as 1/f of
-    the top f·K pooled ones, f = P / R (the pooled sorted survivals as a quantile curve, interpolated). With one
-    array and R = R_old this is exactly the top-K sum. At low load one request's confidences from one step are a
-    noisy sample (at R = 1 the choice between drafting and not flips with every hard token); pooling a few
-    steps' worth makes K follow the text's difficulty instead of that noise.
+    Pooling (``pooled_gains``): the expected top-K survival sum of R requests is the mean over the pooled steps of
+    each step's top-K curve priced for R requests. With one array and R = R_old this is exactly the top-K sum. At
+    low load one request's confidences from one step are a noisy sample (at R = 1 the choice between drafting and
+    not flips with every hard token); pooling a few steps' worth makes K follow the text's difficulty instead.
 
     Because K is known *before* drafting, K = 0 means the drafter need not run at all. So with a SpeedProfile the
     K = 0 candidate is scored without the drafting cost (plain decoding), and K = 0 tells the engine to skip the
     drafter: at high load this is what keeps the scheduler at or above plain decoding when drafting is not free.
     """
-    steps = [as_confidences(c) for c in (c_old if isinstance(c_old, (list, tuple)) else [c_old])]
-    if not steps:
-        raise ValueError("async_capacity needs at least one step's confidences")
-    base = steps[0].shape[0] if n_requests is None else int(n_requests)
-    pooled = sum(c.shape[0] for c in steps)
+    steps, base, pooled = _pool(c_old, n_requests)
     if base <= 0 or pooled == 0:
         return 0
-    a = -np.sort(-np.concatenate([np.cumprod(c, axis=1).ravel() for c in steps]))  # [P·γ] descending
-    if pooled == base:
-        theta = _theta(a, base, sps)
+    if len(steps) == 1 and pooled == base:  # τ summed in the order a scalar loop would (exact reference tests)
+        theta = _theta(_sorted_survivals(steps), base, sps)
     else:
-        f, n_cand = pooled / base, base * steps[0].shape[1]
-        cum = np.concatenate(([0.0], np.cumsum(a)))
-        tau = base + np.interp(f * np.arange(n_cand + 1), np.arange(cum.size), cum) / f  # [n_cand + 1]
-        theta = tau * sps_values(sps, base + np.arange(n_cand + 1), base)
+        gains = pooled_gains(steps, n_requests=base)
+        theta = (base + gains) * sps_values(sps, base + np.arange(gains.size), base)
     if isinstance(sps, SpeedProfile):
         theta[0] = base / float(sps.step_s(base, n_requests=base))
     return int(np.argmax(theta))
@@ -191,7 +221,7 @@ def bench_policy_latency(n_requests: int = 256, gamma: int = 7, repeats: int = 2
 
     Not a timed test (CI machines are too noisy for that); run it by hand: the target is < 1000 µs for 256 x 7.
     """
-    from .registry import AsyncPolicy  # local imports: both modules import this one
+    from .async_policy import AsyncPolicy  # local imports: both modules import this one
     from .simulator import gpu_like_profile
 
     rng = np.random.default_rng(seed)

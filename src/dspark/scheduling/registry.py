@@ -1,230 +1,26 @@
-"""Policy objects with one calling convention, and the name registry the engine/CLI/simulator use.
+"""The policy name registry the engine, CLI and simulator use: ``make_policy(name, ...)``.
 
-Every policy has ``prepare(n_requests) -> bool`` (call before drafting a step: should the drafter run?) and
-``select(c, *, n_requests=None, gamma=None) -> lengths [R]`` where ``c`` is [R, γ] calibrated confidences, or
-None when the drafter did not run or has no confidence head. Policies that ignore confidences (none, mtp1,
-fixed) accept None as long as R and γ are given; the others raise ``ConfidenceRequiredError`` — e.g. for a
-drafter without a confidence head (DFlash, Eagle3, n-gram) — naming the policies that do work.
-
-Only ``AsyncPolicy`` has state (the confidences of the last ``lag`` steps); call ``reset()`` between runs.
+The policy objects themselves live in ``policy_objects.py`` (stateless ones) and ``async_policy.py``; they are
+re-exported here.
 """
 
 from __future__ import annotations
 
 import re
 import warnings
-from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
-
-from .acceptance_tracker import AcceptanceTracker
-from .policies import (
-    SPS,
-    as_confidences,
-    async_capacity,
-    async_schedule,
-    fixed_k,
-    static_threshold,
-    sync_prefix_schedule,
+from .async_policy import AsyncPolicy
+from .policy_objects import (
+    CONFIDENCE_FREE,
+    ConfidenceRequiredError,
+    FixedPolicy,
+    SyncPolicy,
+    ThresholdPolicy,
 )
 
-
-class ConfidenceRequiredError(ValueError):
-    """A confidence-based policy was asked to run without confidences."""
-
-
-def _need_conf(name: str, c) -> np.ndarray:
-    if c is None:
-        raise ConfidenceRequiredError(
-            f"policy {name!r} needs calibrated confidences, but the drafter provides none (no confidence head); "
-            f"policies that work without confidences: {', '.join(CONFIDENCE_FREE)}"
-        )
-    return as_confidences(c)
-
-
-def _shape(c, n_requests: int | None, gamma: int | None) -> tuple[int, int]:
-    if c is not None:
-        return tuple(np.shape(c))  # type: ignore[return-value]
-    if n_requests is None or gamma is None:
-        raise ValueError("without confidences, pass n_requests and gamma")
-    return int(n_requests), int(gamma)
-
-
-@dataclass(frozen=True)
-class FixedPolicy:
-    """Verify min(k, γ) drafts per request (k = 0: no speculation, k = 1: MTP-1)."""
-
-    k: int
-    needs_confidence = False
-
-    @property
-    def name(self) -> str:
-        return {0: "none", 1: "mtp1"}.get(self.k, f"fixed-{self.k}")
-
-    @property
-    def drafts(self) -> bool:  # plain decoding never runs the drafter (and never pays for it)
-        return self.k > 0
-
-    def prepare(self, n_requests: int) -> bool:
-        return self.drafts
-
-    def draft_depth(self, gamma: int) -> int:
-        """Slots worth drafting: never more than this policy verifies."""
-        return min(self.k, gamma)
-
-    def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
-        r, g = _shape(c, n_requests, gamma)
-        return fixed_k(r, g, self.k)
-
-
-@dataclass(frozen=True)
-class SyncPolicy:
-    """Paper Algorithm 1 (greedy with early stop); ``unsafe=True`` removes the early stop (biased output)."""
-
-    sps: SPS
-    unsafe: bool = False
-    needs_confidence = True
-    drafts = True
-
-    @property
-    def name(self) -> str:
-        return "sync-unsafe" if self.unsafe else "sync"
-
-    def prepare(self, n_requests: int) -> bool:
-        return True
-
-    def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
-        return sync_prefix_schedule(_need_conf(self.name, c), self.sps, unsafe=self.unsafe)
-
-
-@dataclass(frozen=True)
-class ThresholdPolicy:
-    """Static threshold on per-slot confidence (or on survival with ``cumulative=True``)."""
-
-    threshold: float
-    cumulative: bool = False
-    needs_confidence = True
-    drafts = True
-
-    @property
-    def name(self) -> str:
-        return f"threshold-{self.threshold:g}"
-
-    def prepare(self, n_requests: int) -> bool:
-        return True
-
-    def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
-        return static_threshold(_need_conf("threshold", c), self.threshold, cumulative=self.cumulative)
-
-
-class AsyncPolicy:
-    """Asynchronous scheduler: K from the confidences of a step at least ``lag`` steps old, then top-K of the
-    current ones.
-
-    A production engine computes K for step t while step t-1 runs, from the last confidences it has, which are
-    step t-2's — hence lag 2. Call ``prepare(R)`` before drafting: it computes K and returns False when K = 0,
-    i.e. the drafter can be skipped this step (see ``async_capacity``).
-
-    Skipped steps produce no confidences, so without care one unlucky K = 0 would hold forever (the history
-    would never change again) even after the load falls or the text turns easy. Hence probes: after
-    ``probe_every`` skipped steps in a row the drafter runs anyway, and that step verifies by Algorithm 1 on its
-    own confidences; two steps later its confidences set K. Each probe that still yields K = 0 doubles the
-    interval (up to ``max_probe_every``), so a load where speculation never pays costs one drafting pass per
-    ~65 steps (≈ 0.3 % with drafting at 20 % of a step); any K > 0 resets it. Whether a step probes depends
-    only on counts of skipped steps and on old confidences, never on the current tokens, so it stays lossless.
-    For the first steps there is no old enough history; rather than use the current confidences for K (that would
-    make K depend on the current tokens and break losslessness), we fall back to Algorithm 1 with early stop,
-    which is lossless on its own.
-
-    K pools the newest old-enough steps until they hold ``pool_requests`` rows (at most ``pool_steps`` steps;
-    see ``async_capacity``): at high load that is the one step lag 2 names, at R = 1 the last 8 drafted steps.
-
-    With ``online_calibration`` (policy ``async-online``) every confidence it uses is first scaled by the ratio of
-    accepted to predicted drafts on the verified slots so far (``acceptance_tracker.py``); the engine reports each
-    verified step through ``observe_outcomes``. Not the default: on the dev CPU it lowered the verify budget where
-    the offline calibration ran over-confident but bought no throughput (results/serving-dspark-more).
-    """
-
-    needs_confidence = True
-    drafts = True
-
-    def __init__(self, sps: SPS, lag: int = 2, probe_every: int = 8, max_probe_every: int = 64,
-                 pool_requests: int = 8, pool_steps: int = 8, online_calibration: bool = False):
-        if lag < 1:
-            raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
-        if not 1 <= probe_every <= max_probe_every:
-            raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {probe_every}, {max_probe_every}")
-        if pool_requests < 1 or pool_steps < 1:
-            raise ValueError(f"pool_requests and pool_steps must be >= 1, got {pool_requests}, {pool_steps}")
-        self.sps, self.lag = sps, lag
-        self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        self.pool_requests, self.pool_steps = pool_requests, pool_steps
-        self.tracker = AcceptanceTracker() if online_calibration else None
-        self.name = "async-online" if online_calibration else "async"
-        self.reset()
-
-    def reset(self) -> None:
-        # (step, confidences) of the last drafted steps: enough to pool `pool_steps` of them `lag` steps back
-        self._history: deque[tuple[int, np.ndarray]] = deque(maxlen=self.lag + self.pool_steps)
-        self._step = 0  # index of the step being planned
-        self._skipped = 0  # drafter-skipped steps in a row
-        self._interval = self.probe_every  # skipped steps before the next probe
-        self._planned = False
-        self.last_capacity: int | None = None  # K of the current/last step (None: Algorithm 1)
-        if self.tracker is not None:
-            self.tracker.reset()
-
-    def _old_confidences(self) -> list[np.ndarray] | None:
-        """Confidences of the newest steps at least ``lag`` steps before the current one, newest first, until
-        they hold ``pool_requests`` rows (None: no step is old enough yet)."""
-        pool: list[np.ndarray] = []
-        for step, c in reversed(self._history):
-            if step <= self._step - self.lag and len(pool) < self.pool_steps:
-                pool.append(c)
-                if sum(x.shape[0] for x in pool) >= self.pool_requests:
-                    break
-        return pool or None
-
-    def prepare(self, n_requests: int) -> bool:
-        """Fix K for the coming step (before drafting); returns whether the drafter should run."""
-        c_old = self._old_confidences()
-        if c_old is not None and self.tracker is not None:
-            c_old = [self.tracker.adjust(c) for c in c_old]
-        self.last_capacity = None if c_old is None else async_capacity(c_old, self.sps, n_requests=n_requests)
-        if self.last_capacity:
-            self._interval = self.probe_every
-        elif self.last_capacity == 0 and self._skipped >= self._interval:
-            self.last_capacity = None  # a probe: draft, verify by Algorithm 1, refresh the history
-            self._interval = min(2 * self._interval, self.max_probe_every)
-        self._planned = True
-        return self.last_capacity != 0
-
-    def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
-        n_req = np.shape(c)[0] if c is not None else n_requests
-        if n_req is None:
-            raise ValueError("without confidences, pass n_requests")
-        if not self._planned:  # engines that never call prepare() still get the lossless behaviour
-            self.prepare(int(n_req))
-        self._planned = False
-        step, self._step = self._step, self._step + 1
-        if self.last_capacity == 0 and c is None:  # drafter skipped: plain decoding this step
-            self._skipped += 1
-            return np.zeros(int(n_req), dtype=np.int64)
-        self._skipped = 0
-        c = _need_conf(self.name, c)
-        self._history.append((step, c.copy()))  # copy: the caller may reuse its buffer next step
-        if self.tracker is not None:
-            c = self.tracker.adjust(c)
-        if self.last_capacity is None:
-            return sync_prefix_schedule(c, self.sps)
-        return async_schedule(c, self.last_capacity)
-
-    def observe_outcomes(self, c, lengths, accepted) -> None:
-        """After verification: the step's unadjusted confidences [R, γ], verified lengths [R], accepted [R]."""
-        if self.tracker is not None and c is not None:
-            self.tracker.update(c, lengths, accepted)
+__all__ = ["AsyncPolicy", "CONFIDENCE_FREE", "ConfidenceRequiredError", "FixedPolicy", "POLICIES", "SyncPolicy",
+           "ThresholdPolicy", "make_policy"]
 
 
 def _fixed(k: int = 0) -> FixedPolicy:
@@ -242,7 +38,6 @@ POLICIES: dict[str, tuple[Callable[..., object], bool, str]] = {
                      "async with confidences corrected online by the acceptance seen so far"),
     "threshold": (ThresholdPolicy, True, "static per-slot confidence threshold"),
 }
-CONFIDENCE_FREE = tuple(n for n, (_, needs, _) in POLICIES.items() if not needs)
 
 
 def make_policy(name: str, *, confidence_available: bool = True, **kwargs):

@@ -1,0 +1,127 @@
+"""The asynchronous DSpark scheduler: verification capacity K from old confidences, top-K of the current ones."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from .acceptance_tracker import AcceptanceTracker
+from .policies import SPS, async_capacity, async_schedule, sync_prefix_schedule
+from .policy_objects import need_confidences
+
+
+class AsyncPolicy:
+    """Asynchronous scheduler: K from the confidences of a step at least ``lag`` steps old, then top-K of the
+    current ones.
+
+    A production engine computes K for step t while step t-1 runs, from the last confidences it has, which are
+    step t-2's — hence lag 2. Call ``prepare(R)`` before drafting: it computes K and returns False when K = 0,
+    i.e. the drafter can be skipped this step (see ``async_capacity``).
+
+    Skipped steps produce no confidences, so without care one unlucky K = 0 would hold forever (the history
+    would never change again) even after the load falls or the text turns easy. Hence probes: after
+    ``probe_every`` skipped steps in a row the drafter runs anyway, and that step verifies by Algorithm 1 on its
+    own confidences; two steps later its confidences set K. Each probe that still yields K = 0 doubles the
+    interval (up to ``max_probe_every``), so a load where speculation never pays costs one drafting pass per
+    ~65 steps (≈ 0.3 % with drafting at 20 % of a step); any K > 0 resets it. Whether a step probes depends
+    only on counts of skipped steps and on old confidences, never on the current tokens, so it stays lossless.
+    For the first steps there is no old enough history; rather than use the current confidences for K (that would
+    make K depend on the current tokens and break losslessness), we fall back to Algorithm 1 with early stop,
+    which is lossless on its own.
+
+    K pools the newest old-enough steps until they hold ``pool_requests`` rows (at most ``pool_steps`` steps;
+    see ``async_capacity``): at high load that is the one step lag 2 names, at R = 1 the last 8 drafted steps.
+
+    With ``online_calibration`` (policy ``async-online``) every confidence it uses is first scaled by the ratio of
+    accepted to predicted drafts on the verified slots so far (``acceptance_tracker.py``); the engine reports each
+    verified step through ``observe_outcomes``. Not the default: on the dev CPU it lowered the verify budget where
+    the offline calibration ran over-confident but bought no throughput (results/serving-dspark-more).
+    """
+
+    needs_confidence = True
+    drafts = True
+
+    def __init__(self, sps: SPS, lag: int = 2, probe_every: int = 8, max_probe_every: int = 64,
+                 pool_requests: int = 8, pool_steps: int = 8, online_calibration: bool = False):
+        if lag < 1:
+            raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
+        if not 1 <= probe_every <= max_probe_every:
+            raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {probe_every}, {max_probe_every}")
+        if pool_requests < 1 or pool_steps < 1:
+            raise ValueError(f"pool_requests and pool_steps must be >= 1, got {pool_requests}, {pool_steps}")
+        self.sps, self.lag = sps, lag
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self.pool_requests, self.pool_steps = pool_requests, pool_steps
+        self.tracker = AcceptanceTracker() if online_calibration else None
+        self.name = "async-online" if online_calibration else "async"
+        self.reset()
+
+    def reset(self) -> None:
+        # (step, confidences) of the last drafted steps: enough to pool `pool_steps` of them `lag` steps back
+        self._history: deque[tuple[int, np.ndarray]] = deque(maxlen=self.lag + self.pool_steps)
+        self._step = 0  # index of the step being planned
+        self._skipped = 0  # drafter-skipped steps in a row
+        self._interval = self.probe_every  # skipped steps before the next probe
+        self._planned = False
+        self._memo: tuple = (None, 0)  # (pool steps, R, tracker ratio) and the K they were priced at
+        self.last_capacity: int | None = None  # K of the current/last step (None: Algorithm 1)
+        if self.tracker is not None:
+            self.tracker.reset()
+
+    def _old_confidences(self) -> tuple[tuple[int, ...], list[np.ndarray]]:
+        """(steps, confidences) of the newest steps at least ``lag`` steps before the current one, newest first,
+        until they hold ``pool_requests`` rows (empty: no step is old enough yet)."""
+        steps, pool = [], []
+        for step, c in reversed(self._history):
+            if step <= self._step - self.lag and len(pool) < self.pool_steps:
+                steps.append(step)
+                pool.append(c)
+                if sum(x.shape[0] for x in pool) >= self.pool_requests:
+                    break
+        return tuple(steps), pool
+
+    def prepare(self, n_requests: int) -> bool:
+        """Fix K for the coming step (before drafting); returns whether the drafter should run."""
+        pool_steps, c_old = self._old_confidences()
+        if not c_old:
+            self.last_capacity = None
+        else:
+            key = (pool_steps, n_requests, None if self.tracker is None else self.tracker.ratio)
+            if key != self._memo[0]:  # while the drafter is skipped nothing changes: K is reused, not recomputed
+                if self.tracker is not None:
+                    c_old = [self.tracker.adjust(c) for c in c_old]
+                self._memo = (key, async_capacity(c_old, self.sps, n_requests=n_requests))
+            self.last_capacity = self._memo[1]
+        if self.last_capacity:
+            self._interval = self.probe_every
+        elif self.last_capacity == 0 and self._skipped >= self._interval:
+            self.last_capacity = None  # a probe: draft, verify by Algorithm 1, refresh the history
+            self._interval = min(2 * self._interval, self.max_probe_every)
+        self._planned = True
+        return self.last_capacity != 0
+
+    def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
+        n_req = np.shape(c)[0] if c is not None else n_requests
+        if n_req is None:
+            raise ValueError("without confidences, pass n_requests")
+        if not self._planned:  # engines that never call prepare() still get the lossless behaviour
+            self.prepare(int(n_req))
+        self._planned = False
+        step, self._step = self._step, self._step + 1
+        if self.last_capacity == 0 and c is None:  # drafter skipped: plain decoding this step
+            self._skipped += 1
+            return np.zeros(int(n_req), dtype=np.int64)
+        self._skipped = 0
+        c = need_confidences(self.name, c)
+        self._history.append((step, c.copy()))  # copy: the caller may reuse its buffer next step
+        if self.tracker is not None:
+            c = self.tracker.adjust(c)
+        if self.last_capacity is None:
+            return sync_prefix_schedule(c, self.sps)
+        return async_schedule(c, self.last_capacity)
+
+    def observe_outcomes(self, c, lengths, accepted) -> None:
+        """After verification: the step's unadjusted confidences [R, γ], verified lengths [R], accepted [R]."""
+        if self.tracker is not None and c is not None:
+            self.tracker.update(c, lengths, accepted)
