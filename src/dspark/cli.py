@@ -209,9 +209,10 @@ def run_profile(args) -> int:
         print(f"# measured with {prof.tokens_per_segment} tokens per request; one more request at a fixed B costs "
               f"{prof.segment_seconds * 1000:.2f} ms")
     if prof.draft_requests:
-        print("requests\tdraft ms/step")
-        for r, s in zip(prof.draft_requests, prof.draft_seconds):
-            print(f"{r}\t{s * 1000:.1f}")
+        shallow = prof.shallow_draft_seconds or (None,) * len(prof.draft_requests)
+        print(f"requests\tdraft ms/step (depth {prof.draft_depth or 'full'})" + ("\tat depth 1" if shallow[0] else ""))
+        for r, s, s1 in zip(prof.draft_requests, prof.draft_seconds, shallow):
+            print(f"{r}\t{s * 1000:.1f}" + (f"\t{s1 * 1000:.1f}" if s1 else ""))
     return 0
 
 

@@ -140,3 +140,70 @@ def assert_seeded_engine_reproducible(target, drafter, policy="fixed-4", **polic
 
     assert run(7) == run(7)
     assert run(7) != run(8)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Async drafting only as deep as K can use (scheduling/policies.py: draft_depth_for): shallower blocks, fewer
+# confidences in the history; the drafts it does verify must still follow the target's law.
+
+def _depth_priced_profile(gamma: int):
+    from dspark.scheduling.profile import SpeedProfile
+
+    # Verification nearly free, each drafted slot dear (1.5 ms against a 10 ms step): at one or two requests
+    # with confidences near 0.5, K is 1-2 and the block is drafted 2-3 slots deep.
+    per_slot = 0.0015
+    full = 0.0005 + per_slot * (gamma - 1)
+    return SpeedProfile((1, 64), (0.010, 0.011), (1, 16), (full, full), shallow_draft_seconds=(0.0005, 0.0005),
+                        draft_depth=gamma)
+
+
+def _record_depths(drafter) -> list:
+    depths, propose = [], drafter.propose
+    drafter.propose = lambda reqs, depth=None: depths.append(depth) or propose(reqs, depth=depth)
+    return depths
+
+
+def test_engine_greedy_with_shallow_async_drafting_equals_plain():
+    from dspark.engine.engine import Engine, EngineConfig
+    from dspark.scheduling.registry import make_policy
+
+    target = tiny_target(seed=4, scale=6.0)
+    drafter = tiny_drafter(target, head="markov", block=5)
+    depths = _record_depths(drafter)
+    engine = Engine(target, None, drafter, make_policy("async", sps=_depth_priced_profile(5)), (),
+                    EngineConfig(gamma=5, max_running=1))  # one request at a time: K stays small
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [5, 17, 33, 2, 9], [40, 41]]
+    reqs = [engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    for prompt, req in zip(prompts, reqs):
+        assert req.error is None and req.output == plain_greedy(target, prompt, 32)
+    assert any(d is not None and d < 5 for d in depths)  # shallow blocks were drafted and verified
+    assert sum(r.accepted for r in reqs) > 0
+
+
+def test_engine_seeded_sampling_with_shallow_async_drafting():
+    target = tiny_target(seed=4, scale=2.0)
+    drafter = tiny_drafter(target, head="markov", block=4)
+    depths = _record_depths(drafter)
+    assert_seeded_engine_reproducible(target, drafter, "async", sps=_depth_priced_profile(4))
+    assert any(d is not None and d < 4 for d in depths)
+
+
+def test_t1_output_distribution_with_shallow_async_drafting():
+    from dspark.engine.engine import Engine, EngineConfig
+    from dspark.scheduling.registry import make_policy
+
+    target = tiny_target(vocab=V, hidden=32, layers=2, seed=11, scale=3.0)
+    drafter = tiny_drafter(target, head="markov", rank=6, block=5, head_scale=1.0)
+    depths = _record_depths(drafter)
+    engine = Engine(target, None, drafter, make_policy("async", sps=_depth_priced_profile(5), probe_every=1), (),
+                    EngineConfig(gamma=5, max_running=2))
+    n = 4000
+    reqs = [engine.add_request(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=FIRST, seed=i, ignore_eos=True))
+            for i in range(n)]
+    while engine.has_unfinished():
+        engine.step()
+    assert any(d is not None and 1 < d < 5 for d in depths)
+    assert sum(r.accepted for r in reqs) > 0
+    assert_first_tokens_match_target(target, [r.output for r in reqs], n)

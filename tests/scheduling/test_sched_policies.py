@@ -397,3 +397,26 @@ def test_async_policy_reuses_k_while_its_pool_is_unchanged(monkeypatch):
             n_memo, calls[:] = len(calls), []
     assert ks[id(memo)] == ks[id(fresh)]  # the same decisions
     assert n_memo < len(calls) / 3  # most steps skip the drafter, so most prices are reused
+
+
+def test_async_prices_and_drafts_only_as_deep_as_k_can_use():
+    from dspark.scheduling.policies import draft_depth_for, pooled_gains
+
+    assert [draft_depth_for(k, 7) for k in (0, 1, 2, 6, 20)] == [1, 2, 3, 7, 7]
+    # One request: full-depth drafting (8 ms) never pays against a 10 ms step; priced at the depth K needs
+    # (0.5 ms + 1.875 ms per extra slot), K = 1 does (2 slots drafted).
+    c = np.array([[0.5, 0.3, 0.3, 0.3, 0.3]])
+    deep = SpeedProfile((1, 64), (0.010, 0.011), (1, 16), (0.008, 0.008))
+    shallow = SpeedProfile((1, 64), (0.010, 0.011), (1, 16), (0.008, 0.008), shallow_draft_seconds=(0.0005, 0.0005),
+                           draft_depth=5)
+    assert async_capacity(c, deep) == 0
+    assert async_capacity(c, shallow) == 1
+    pol = AsyncPolicy(shallow, pool_requests=1)
+    assert pol.prepare(1) and pol.draft_depth(5) == 5  # no history yet: Algorithm 1 on the full block
+    pol.select(c)
+    pol.prepare(1), pol.select(c)
+    assert pol.prepare(1) and pol.last_capacity == 1 and pol.draft_depth(5) == 2
+    assert pol.select(c[:, :2]).tolist() == [1]  # the shallow block's confidences go into the history
+    # A shallow step in the pool says nothing of deeper slots: flat there, and the deeper step's width counts
+    gains = pooled_gains([c[:, :2], c], n_requests=1)
+    np.testing.assert_allclose(gains, [0, 0.5, 0.65, 0.6725, 0.67925, 0.681275])

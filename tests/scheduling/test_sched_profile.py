@@ -136,9 +136,27 @@ def test_cache_round_trip(tmp_path):
     back = load_cached_profile(path, KEY)
     assert back == PROF
     assert back.step_s(40) == PROF.step_s(40)
-    assert json.loads(path.read_text())["version"] == 2
+    assert json.loads(path.read_text())["version"] == 3
+    deep = SpeedProfile(PROF.tokens, PROF.seconds, PROF.draft_requests, PROF.draft_seconds, key=KEY,
+                        shallow_draft_seconds=(0.01, 0.05), draft_depth=7)
+    assert load_cached_profile(save_profile(deep, tmp_path / "deep.json"), KEY) == deep
     seg = SpeedProfile((1, 8), (0.02, 0.04), segment_seconds=0.003, tokens_per_segment=4, key=KEY)
     assert load_cached_profile(save_profile(seg, tmp_path / "seg.json"), KEY) == seg
+
+
+def test_drafting_cost_is_linear_in_depth_between_the_two_tables():
+    prof = SpeedProfile((1, 8), (0.01, 0.02), (1, 9), (0.007, 0.016), shallow_draft_seconds=(0.001, 0.004),
+                        draft_depth=7)
+    assert prof.draft_s(1) == pytest.approx(0.007)  # no depth: the full block
+    assert prof.draft_s(1, 1) == pytest.approx(0.001) and prof.draft_s(1, 7) == pytest.approx(0.007)
+    assert prof.draft_s(1, 4) == pytest.approx(0.004)  # half way in depth: half way in cost
+    assert prof.draft_s(1, 12) == pytest.approx(0.007)  # never more than the full block
+    np.testing.assert_allclose(prof.draft_s(5, np.array([1, 7])), [0.0025, 0.0115])
+    np.testing.assert_allclose(prof.sps(4, n_requests=1, depth=np.array([1, 7])),
+                               1 / (prof.step_s(4, 1) + np.array([0.001, 0.007])))
+    assert SpeedProfile((1, 8), (0.01, 0.02), (1, 9), (0.007, 0.016)).draft_s(1, 1) == pytest.approx(0.007)
+    with pytest.raises(ValueError, match="draft_depth"):
+        SpeedProfile((1, 8), (0.01, 0.02), (1, 9), (0.007, 0.016), shallow_draft_seconds=(0.001, 0.004))
 
 
 def test_cache_missing_is_silent(tmp_path):

@@ -46,9 +46,10 @@ def target_step_fn(model: Transformer, one_segment: bool = False):
     return step
 
 
-def drafter_step_fn(model: Transformer, drafter):
-    """draft_fn(R): one propose() for R requests with warm 256-token contexts (prefilled and observed once; a
-    proposal commits nothing, so every call drafts from the same state)."""
+def drafter_step_fn(model: Transformer, drafter, depth: int | None = None):
+    """draft_fn(R): one propose() of ``depth`` slots (None: the full block) for R requests with warm 256-token
+    contexts (prefilled and observed once; a proposal commits nothing, so every call drafts from the same
+    state)."""
     from ..decoding import SamplingParams, make_generator
     from ..drafters.base import DraftRequest
 
@@ -64,7 +65,7 @@ def drafter_step_fn(model: Transformer, drafter):
                                generator=make_generator(len(requests)))
             drafter.observe(req, out.hidden, CONTEXT)
             requests.append(req)
-        drafter.propose(requests[:r])
+        drafter.propose(requests[:r], depth=depth)
 
     return step
 
@@ -89,7 +90,8 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
     `drafter.profile_id`)."""
     def measure() -> SpeedProfile:
         extra = {} if drafter is None else {"draft_fn": drafter_step_fn(model, drafter),
-                                            "request_counts": PROFILE_REQUESTS}
+                                            "shallow_draft_fn": drafter_step_fn(model, drafter, depth=1),
+                                            "draft_depth": drafter.gamma, "request_counts": PROFILE_REQUESTS}
         return measure_profile(target_step_fn(model), PROFILE_TOKENS, repeats=repeats, key=key,
                                one_segment_fn=target_step_fn(model, one_segment=True),
                                tokens_per_segment=TOKENS_PER_REQUEST, **extra)

@@ -7,7 +7,7 @@ from collections import deque
 import numpy as np
 
 from .acceptance_tracker import AcceptanceTracker
-from .policies import SPS, async_capacity, async_schedule, sync_prefix_schedule
+from .policies import SPS, async_capacity, async_schedule, draft_depth_for, sync_prefix_schedule
 from .policy_objects import need_confidences
 
 
@@ -100,6 +100,10 @@ class AsyncPolicy:
             self._interval = min(2 * self._interval, self.max_probe_every)
         self._planned = True
         return self.last_capacity != 0
+
+    def draft_depth(self, gamma: int) -> int:
+        """Slots worth drafting this step (after ``prepare``): K caps how deep any request can verify."""
+        return gamma if self.last_capacity is None else draft_depth_for(self.last_capacity, gamma)
 
     def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
         n_req = np.shape(c)[0] if c is not None else n_requests

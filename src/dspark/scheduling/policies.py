@@ -51,10 +51,11 @@ def _visit_order(a: np.ndarray) -> np.ndarray:
     return np.argsort(-a.T.ravel(), kind="stable")
 
 
-def sps_values(sps: SPS, n_tokens: np.ndarray, n_requests: int) -> np.ndarray:
-    """SPS at each B of ``n_tokens`` [n] -> float64 [n]."""
+def sps_values(sps: SPS, n_tokens: np.ndarray, n_requests: int, depth: np.ndarray | None = None) -> np.ndarray:
+    """SPS at each B of ``n_tokens`` [n] -> float64 [n]; a SpeedProfile prices drafting ``depth`` [n] slots
+    (None: the full block)."""
     if isinstance(sps, SpeedProfile):
-        return np.asarray(sps.sps(n_tokens, n_requests=n_requests), dtype=np.float64)
+        return np.asarray(sps.sps(n_tokens, n_requests=n_requests, depth=depth), dtype=np.float64)
     try:
         out = np.asarray(sps(n_tokens), dtype=np.float64)
         if out.shape == n_tokens.shape:
@@ -66,11 +67,18 @@ def sps_values(sps: SPS, n_tokens: np.ndarray, n_requests: int) -> np.ndarray:
     return np.array([float(sps(int(b))) for b in n_tokens], dtype=np.float64)
 
 
-def _theta(a_sorted: np.ndarray, base: int, sps: SPS) -> np.ndarray:
+def _theta(a_sorted: np.ndarray, base: int, sps: SPS, depth: np.ndarray | None = None) -> np.ndarray:
     """Θ_n = τ_n · SPS(base + n) for n = 0..N, τ_n = base + sum of the first n sorted survivals -> [N + 1].
     The cumsum includes ``base`` as its first term so τ is summed in exactly the order a scalar loop would."""
     tau = np.cumsum(np.concatenate(([float(base)], a_sorted)))
-    return tau * sps_values(sps, base + np.arange(a_sorted.size + 1), base)
+    return tau * sps_values(sps, base + np.arange(a_sorted.size + 1), base, depth)
+
+
+def draft_depth_for(capacity: int, gamma: int) -> int:
+    """Slots to draft when at most ``capacity`` drafts will be verified: one request can take at most K of them
+    (admissions are prefixes), plus one more slot whose confidence lets the next K grow (the history only
+    holds the slots drafted)."""
+    return max(1, min(int(gamma), int(capacity) + 1))
 
 
 def _lengths(order: np.ndarray, n_admitted: int, n_requests: int) -> np.ndarray:
@@ -142,14 +150,15 @@ def pooled_gains(c_old, *, n_requests: int | None = None) -> np.ndarray:
     steps, base, pooled = _pool(c_old, n_requests)
     if base <= 0 or pooled == 0:
         return np.zeros(1)
-    n_cand = base * steps[0].shape[1]
+    n_cand = base * max(c.shape[1] for c in steps)  # steps drafted shallower say nothing of deeper slots: flat
     total = np.zeros(n_cand + 1)
     for c in steps:
         if c.shape[0] == 0:
             continue
         cum = np.concatenate(([0.0], np.cumsum(_sorted_survivals([c]))))
         f = c.shape[0] / base
-        total += c.shape[0] * (cum if f == 1 else np.interp(f * np.arange(n_cand + 1), np.arange(cum.size), cum) / f)
+        total += c.shape[0] * (cum if f == 1 and cum.size == n_cand + 1
+                               else np.interp(f * np.arange(n_cand + 1), np.arange(cum.size), cum) / f)
     return total / pooled
 
 
@@ -166,18 +175,21 @@ def async_capacity(c_old, sps: SPS, *, n_requests: int | None = None) -> int:
     low load one request's confidences from one step are a noisy sample (at R = 1 the choice between drafting and
     not flips with every hard token); pooling a few steps' worth makes K follow the text's difficulty instead.
 
-    Because K is known *before* drafting, K = 0 means the drafter need not run at all. So with a SpeedProfile the
+    Because K is known *before* drafting, the drafter need only draft ``draft_depth_for(K)`` slots, and a profile
+    with a depth-1 drafting table prices each K at that depth. K = 0 means the drafter need not run at all. So with a SpeedProfile the
     K = 0 candidate is scored without the drafting cost (plain decoding), and K = 0 tells the engine to skip the
     drafter: at high load this is what keeps the scheduler at or above plain decoding when drafting is not free.
     """
     steps, base, pooled = _pool(c_old, n_requests)
     if base <= 0 or pooled == 0:
         return 0
+    n_cand = base * max(c.shape[1] for c in steps)
+    depth = 1 + np.arange(n_cand + 1)  # drafting priced at draft_depth_for(K) (the profile caps it at γ)
     if len(steps) == 1 and pooled == base:  # τ summed in the order a scalar loop would (exact reference tests)
-        theta = _theta(_sorted_survivals(steps), base, sps)
+        theta = _theta(_sorted_survivals(steps), base, sps, depth)
     else:
         gains = pooled_gains(steps, n_requests=base)
-        theta = (base + gains) * sps_values(sps, base + np.arange(gains.size), base)
+        theta = (base + gains) * sps_values(sps, base + np.arange(gains.size), base, depth)
     if isinstance(sps, SpeedProfile):
         theta[0] = base / float(sps.step_s(base, n_requests=base))
     return int(np.argmax(theta))

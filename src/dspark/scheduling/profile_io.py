@@ -22,7 +22,7 @@ from ._jsonio import FileFormatError, check_header, read_json, write_json_atomic
 from .profile import ProfileKey, SpeedProfile
 
 FORMAT = "dspark.speed_profile"
-VERSION = 2  # 2: segment_seconds / tokens_per_segment (version-1 caches are re-measured)
+VERSION = 3  # 2: segment_seconds / tokens_per_segment; 3: shallow_draft_seconds / draft_depth (older: re-measured)
 
 
 class ProfileFormatError(FileFormatError):
@@ -42,6 +42,8 @@ def profile_to_dict(p: SpeedProfile) -> dict:
         "source": p.source,
         "segment_seconds": p.segment_seconds,
         "tokens_per_segment": p.tokens_per_segment,
+        "shallow_draft_seconds": list(p.shallow_draft_seconds),
+        "draft_depth": p.draft_depth,
     }
 
 
@@ -59,6 +61,8 @@ def profile_from_dict(obj: dict, path: str | os.PathLike = "<dict>") -> SpeedPro
             source=str(obj.get("source", "")),
             segment_seconds=float(obj.get("segment_seconds", 0.0)),
             tokens_per_segment=int(obj.get("tokens_per_segment", 0)),
+            shallow_draft_seconds=tuple(obj.get("shallow_draft_seconds", ())),
+            draft_depth=int(obj.get("draft_depth", 0)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ProfileFormatError(f"{path}: invalid speed profile: {e}") from e
