@@ -83,22 +83,25 @@ def confidence_check(loop: ClosedLoop, seconds: float) -> None:
 
 def async_decisions(loop: ClosedLoop, seconds: float) -> None:
     engine, policy = loop.engine, loop.engine.policy
-    steps, verified = collections.Counter(), collections.Counter()
+    steps, verified, accepted = collections.Counter(), collections.Counter(), collections.Counter()
     t_end = time.time() + seconds
     while time.time() < t_end:
+        before = engine.stats.num_accepted_tokens
         loop.tick()
         plan = engine.last_plan
         if plan is None or not plan.decoding:
             continue
         k = policy.last_capacity
-        kind = "probe / Algorithm 1" if k is None else "skipped" if k == 0 else "K > 0"
+        kind = "probe / Algorithm 1" if k is None else "skipped" if k == 0 else f"K = {k}" if k < 4 else "K >= 4"
         steps[kind] += 1
         verified[kind] += int(plan.lengths.sum())
+        accepted[kind] += engine.stats.num_accepted_tokens - before
     st = engine.stats
     for kind, n in steps.most_common():
-        print(f"{kind:20s} {n:6d} steps ({100 * n / sum(steps.values()):5.1f} %), {verified[kind]:6d} drafts verified")
-    print(f"{st.generation_tokens / loop.clock:.1f} tok/s; accepted {st.num_accepted_tokens} of {st.num_draft_tokens} verified drafts "
-          f"({100 * st.num_accepted_tokens / max(1, st.num_draft_tokens):.1f} %)")
+        print(f"{kind:20s} {n:6d} steps ({100 * n / sum(steps.values()):5.1f} %), {verified[kind]:6d} drafts verified, "
+              f"{accepted[kind]:5d} accepted ({100 * accepted[kind] / max(1, verified[kind]):.1f} %)")
+    print(f"{st.generation_tokens / loop.clock:.1f} tok/s; accepted {st.num_accepted_tokens} of {st.num_draft_tokens} "
+          f"verified drafts ({100 * st.num_accepted_tokens / max(1, st.num_draft_tokens):.1f} %)")
 
 
 def main() -> None:

@@ -420,3 +420,14 @@ def test_async_prices_and_drafts_only_as_deep_as_k_can_use():
     # A shallow step in the pool says nothing of deeper slots: flat there, and the deeper step's width counts
     gains = pooled_gains([c[:, :2], c], n_requests=1)
     np.testing.assert_allclose(gains, [0, 0.5, 0.65, 0.6725, 0.67925, 0.681275])
+
+
+def test_async_does_not_draft_for_a_gain_inside_the_margin():
+    c = np.array([[0.5, 0.5, 0.5]])
+    sps = lambda b: 1.0 / (0.010 + 0.0048 * (np.asarray(b) - 1))  # noqa: E731  K = 1: +1.35 % over K = 0
+    assert async_capacity(c, sps) == 1
+    assert async_capacity(c, sps, min_gain=0.03) == 0
+    assert async_capacity(c, sps, min_gain=0.01) == 1
+    assert AsyncPolicy(sps).min_gain == 0.03
+    with pytest.raises(ValueError, match="min_gain"):
+        AsyncPolicy(sps, min_gain=1.5)

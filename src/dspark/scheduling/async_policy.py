@@ -30,6 +30,10 @@ class AsyncPolicy:
     make K depend on the current tokens and break losslessness), we fall back to Algorithm 1 with early stop,
     which is lossless on its own.
 
+    K > 0 only when its predicted throughput beats plain decoding by more than ``min_gain`` (3 %): the profile
+    prices engine steps only to within 3-11 % on the dev CPU (``scripts/engine_step_times.py``), and a drafting
+    decision inside that error is a coin flip that costs the drafter's time either way.
+
     K pools the newest old-enough steps until they hold ``pool_requests`` rows (at most ``pool_steps`` steps;
     see ``async_capacity``): at high load that is the one step lag 2 names, at R = 1 the last 8 drafted steps.
 
@@ -43,16 +47,20 @@ class AsyncPolicy:
     drafts = True
 
     def __init__(self, sps: SPS, lag: int = 2, probe_every: int = 8, max_probe_every: int = 64,
-                 pool_requests: int = 8, pool_steps: int = 8, online_calibration: bool = False):
+                 pool_requests: int = 8, pool_steps: int = 8, online_calibration: bool = False,
+                 min_gain: float = 0.03):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
             raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {probe_every}, {max_probe_every}")
+        if not 0.0 <= min_gain < 1.0:
+            raise ValueError(f"min_gain must lie in [0, 1), got {min_gain}")
         if pool_requests < 1 or pool_steps < 1:
             raise ValueError(f"pool_requests and pool_steps must be >= 1, got {pool_requests}, {pool_steps}")
         self.sps, self.lag = sps, lag
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.pool_requests, self.pool_steps = pool_requests, pool_steps
+        self.min_gain = min_gain
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
         self.reset()
@@ -91,7 +99,7 @@ class AsyncPolicy:
             if key != self._memo[0]:  # while the drafter is skipped nothing changes: K is reused, not recomputed
                 if self.tracker is not None:
                     c_old = [self.tracker.adjust(c) for c in c_old]
-                self._memo = (key, async_capacity(c_old, self.sps, n_requests=n_requests))
+                self._memo = (key, async_capacity(c_old, self.sps, n_requests=n_requests, min_gain=self.min_gain))
             self.last_capacity = self._memo[1]
         if self.last_capacity:
             self._interval = self.probe_every

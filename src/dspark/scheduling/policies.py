@@ -162,13 +162,15 @@ def pooled_gains(c_old, *, n_requests: int | None = None) -> np.ndarray:
     return total / pooled
 
 
-def async_capacity(c_old, sps: SPS, *, n_requests: int | None = None) -> int:
+def async_capacity(c_old, sps: SPS, *, n_requests: int | None = None, min_gain: float = 0.0) -> int:
     """Capacity K (total drafts to admit) from confidences of earlier steps: argmax over all prefixes of the
     sorted survivals of Θ (no early stop, so a jagged SPS curve cannot trap the search at a local maximum).
 
     ``c_old`` is one earlier step's confidences [R_old, γ] or a list of several steps' (pooled: below). Lossless
     because K is computed before the current step's tokens exist. ``n_requests`` (the current R, known before
-    drafting) sets the base of τ and B; default: the first array's R_old.
+    drafting) sets the base of τ and B; default: the first array's R_old. ``min_gain``: draft only when the
+    best K is predicted to beat plain decoding (K = 0) by more than this fraction of Θ — a margin for the
+    profile's own error, so near-ties do not pay for the drafter on a guess.
 
     Pooling (``pooled_gains``): the expected top-K survival sum of R requests is the mean over the pooled steps of
     each step's top-K curve priced for R requests. With one array and R = R_old this is exactly the top-K sum. At
@@ -192,7 +194,8 @@ def async_capacity(c_old, sps: SPS, *, n_requests: int | None = None) -> int:
         theta = (base + gains) * sps_values(sps, base + np.arange(gains.size), base, depth)
     if isinstance(sps, SpeedProfile):
         theta[0] = base / float(sps.step_s(base, n_requests=base))
-    return int(np.argmax(theta))
+    best = int(np.argmax(theta))
+    return best if theta[best] > theta[0] * (1.0 + min_gain) else 0
 
 
 def async_schedule(c_now, capacity: int) -> np.ndarray:
