@@ -88,7 +88,7 @@ def block_terms(model: Eagle3Model, h: torch.Tensor, labels: torch.Tensor, valid
         accept = (1 - 0.5 * l1).clamp(0, 1)
         vf = valid.float()
         top1 = ((logits.argmax(-1) == model.to_local(labels)) & valid).sum().item()
-    return {"ce": ce, "tv": float((l1 * w).sum()), "conf": 0.0, "soft": float(ce), "den": float(w.sum()),
+    return {"ce": ce, "tv": float((l1 * w).sum()), "conf": 0.0, "soft": float(ce.detach()), "den": float(w.sum()),
             "top1": float(top1),
             "accept": (accept * vf).sum(0).cpu(), "count": vf.sum(0).cpu()}
 
