@@ -67,41 +67,41 @@ class FixedPolicy:
         return fixed_k(r, g, self.k)
 
 
+class _ChoosesAfterDrafting:
+    """Policies that read the current step's confidences: the drafter runs every step."""
+
+    needs_confidence = True
+    drafts = True
+
+    def prepare(self, n_requests: int) -> bool:
+        return True
+
+
 @dataclass(frozen=True)
-class SyncPolicy:
+class SyncPolicy(_ChoosesAfterDrafting):
     """Paper Algorithm 1 (greedy with early stop); ``unsafe=True`` removes the early stop (biased output)."""
 
     sps: SPS
     unsafe: bool = False
-    needs_confidence = True
-    drafts = True
 
     @property
     def name(self) -> str:
         return "sync-unsafe" if self.unsafe else "sync"
-
-    def prepare(self, n_requests: int) -> bool:
-        return True
 
     def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
         return sync_prefix_schedule(need_confidences(self.name, c), self.sps, unsafe=self.unsafe)
 
 
 @dataclass(frozen=True)
-class ThresholdPolicy:
+class ThresholdPolicy(_ChoosesAfterDrafting):
     """Static threshold on per-slot confidence (or on survival with ``cumulative=True``)."""
 
     threshold: float
     cumulative: bool = False
-    needs_confidence = True
-    drafts = True
 
     @property
     def name(self) -> str:
         return f"threshold-{self.threshold:g}"
-
-    def prepare(self, n_requests: int) -> bool:
-        return True
 
     def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
         return static_threshold(need_confidences("threshold", c), self.threshold, cumulative=self.cumulative)
