@@ -34,6 +34,10 @@ class AsyncPolicy:
     prices engine steps only to within 3-11 % on the dev CPU (``scripts/engine_step_times.py``), and a drafting
     decision inside that error is a coin flip that costs the drafter's time either way.
 
+    K is known before drafting, so only ``draft_depth(γ)`` = min(γ, K + 1) slots are drafted (no request can verify
+    more than K; the extra slot's confidence lets the next K grow), and ``async_capacity`` prices each K at that
+    depth when the profile has a depth-1 drafting table. Any depth fixed before drafting keeps the output exact.
+
     K pools the newest old-enough steps until they hold ``pool_requests`` rows (at most ``pool_steps`` steps;
     see ``async_capacity``): at high load that is the one step lag 2 names, at R = 1 the last 8 drafted steps.
 
