@@ -89,7 +89,8 @@ def test_engine_greedy_with_dspark_drafter_equals_plain(policy_name):
 
     target = tiny_target(seed=4, scale=6.0)
     drafter = tiny_drafter(target, head="markov", block=4)
-    kwargs = {"sps": lambda b: 1.0 / (0.01 + 1e-4 * b)} if policy_name == "sync" or policy_name.startswith("async") else {}
+    priced = policy_name == "sync" or policy_name.startswith("async")
+    kwargs = {"sps": lambda b: 1.0 / (0.01 + 1e-4 * b)} if priced else {}
     prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [5, 17, 33, 2, 9], [40, 41]]
     params = [SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)] * 3
     reqs = _engine_run(target, drafter, make_policy(policy_name, **kwargs), prompts, params)

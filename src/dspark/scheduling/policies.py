@@ -148,6 +148,11 @@ def pooled_gains(c_old, *, n_requests: int | None = None) -> np.ndarray:
     over-promised exactly where K > 0 was chosen (26.6 % of such drafts accepted where the estimate said ≥ 41 %).
     """
     steps, base, pooled = _pool(c_old, n_requests)
+    return _gains(steps, base, pooled)
+
+
+def _gains(steps: list[np.ndarray], base: int, pooled: int) -> np.ndarray:
+    """``pooled_gains`` on already validated steps (``async_capacity`` validates once)."""
     if base <= 0 or pooled == 0:
         return np.zeros(1)
     n_cand = base * max(c.shape[1] for c in steps)  # steps drafted shallower say nothing of deeper slots: flat
@@ -178,9 +183,10 @@ def async_capacity(c_old, sps: SPS, *, n_requests: int | None = None, min_gain: 
     not flips with every hard token); pooling a few steps' worth makes K follow the text's difficulty instead.
 
     Because K is known *before* drafting, the drafter need only draft ``draft_depth_for(K)`` slots, and a profile
-    with a depth-1 drafting table prices each K at that depth. K = 0 means the drafter need not run at all. So with a SpeedProfile the
-    K = 0 candidate is scored without the drafting cost (plain decoding), and K = 0 tells the engine to skip the
-    drafter: at high load this is what keeps the scheduler at or above plain decoding when drafting is not free.
+    with a depth-1 drafting table prices each K at that depth. K = 0 means the drafter need not run at all. So
+    with a SpeedProfile the K = 0 candidate is scored without the drafting cost (plain decoding), and K = 0 tells
+    the engine to skip the drafter: at high load this is what keeps the scheduler at or above plain decoding when
+    drafting is not free.
     """
     steps, base, pooled = _pool(c_old, n_requests)
     if base <= 0 or pooled == 0:
@@ -190,7 +196,7 @@ def async_capacity(c_old, sps: SPS, *, n_requests: int | None = None, min_gain: 
     if len(steps) == 1 and pooled == base:  # τ summed in the order a scalar loop would (exact reference tests)
         theta = _theta(_sorted_survivals(steps), base, sps, depth)
     else:
-        gains = pooled_gains(steps, n_requests=base)
+        gains = _gains(steps, base, pooled)
         theta = (base + gains) * sps_values(sps, base + np.arange(gains.size), base, depth)
     if isinstance(sps, SpeedProfile):
         theta[0] = base / float(sps.step_s(base, n_requests=base))
