@@ -1,6 +1,7 @@
 """What one batched `propose` costs: R requests with warm contexts, greedy vs sampled, at several depths.
 
     .venv/bin/python scripts/propose_cost.py --requests 32 --repeats 5
+    .venv/bin/python scripts/propose_cost.py --requests 1 --repeats 9 --depths 1,2,3,4,7 --temperatures 0
 
 Greedy batches carry no full-vocabulary distributions (point masses); `depth` is what a fixed-K policy asks for.
 """
@@ -25,6 +26,8 @@ def main() -> None:
     ap.add_argument("--drafter", default="dspark")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--depths", default="7,3,1", help="comma-separated draft depths")
+    ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
     args = ap.parse_args()
     model = load_model(args.model, dtype="float32").model
     drafter = make_drafter(args.drafter, target=model, gamma=7)
@@ -46,9 +49,9 @@ def main() -> None:
             reqs.append(req)
         return reqs
 
-    for temperature in (0.0, 1.0):
+    for temperature in map(float, args.temperatures.split(",")):
         reqs = requests(temperature)
-        for depth in (7, 3, 1):
+        for depth in map(int, args.depths.split(",")):
             drafter.propose(reqs, depth=depth)  # warm-up
             times = []
             for _ in range(args.repeats):

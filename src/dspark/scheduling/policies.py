@@ -237,6 +237,15 @@ def static_threshold(c, threshold: float, *, cumulative: bool = False) -> np.nda
     return np.cumprod(x >= threshold, axis=1).sum(axis=1).astype(np.int64)
 
 
+def _skipped_step(pol, n_requests: int, gamma: int) -> None:
+    """One step of an async policy whose history says K = 0 (all-zero confidences): the common step under load."""
+    zeros = np.zeros((n_requests, gamma))
+    if pol.prepare(n_requests):  # the first steps and the probes draft
+        pol.select(zeros)
+    else:
+        pol.select(None, n_requests=n_requests)
+
+
 def bench_policy_latency(n_requests: int = 256, gamma: int = 7, repeats: int = 200, seed: int = 0) -> dict[str, float]:
     """Median decision time (microseconds) of each scheduler on random confidences; prints and returns them.
 
@@ -254,6 +263,7 @@ def bench_policy_latency(n_requests: int = 256, gamma: int = 7, repeats: int = 2
         "async top-K": lambda c: async_schedule(c, 3 * n_requests),
         "static threshold": lambda c: static_threshold(c, 0.7),
         "AsyncPolicy prepare+select": lambda c, pol=AsyncPolicy(prof): (pol.prepare(n_requests), pol.select(c)),
+        "AsyncPolicy, drafter skipped": lambda c, pol=AsyncPolicy(prof): _skipped_step(pol, n_requests, gamma),
     }
     out = {}
     for name, fn in cases.items():

@@ -150,8 +150,8 @@ class SpeedProfile:
     def draft_s(self, n_requests, depth=None):
         """Seconds of one drafting step for R requests (0 when no drafting table was given), drafting ``depth``
         slots (scalar or array; None: the full block). Cost is linear in depth between the depth-1 and the
-        full-depth tables (the Markov and confidence heads run once per slot; measured near-linear on the dev
-        CPU: 3.1 / 3.4 / 4.1 / 4.2 / 4.9 ms at depth 1 / 2 / 3 / 4 / 7 for one request)."""
+        full-depth tables (the Markov and confidence heads run once per slot; near-linear on the dev CPU: 3.2 / 3.7
+        / 4.1 / 4.2 / 5.4 ms at depth 1 / 2 / 3 / 4 / 7 for one request, scripts/propose_cost.py)."""
         if not self.draft_requests:
             shape = np.broadcast(np.asarray(n_requests), np.asarray(depth if depth is not None else 0)).shape
             return 0.0 if not shape else np.zeros(shape)
