@@ -4,7 +4,9 @@
 
 Each request in a step is an attention segment with its own cache writes, key slices and (for more than one token)
 mask, so 16 requests of 1 token cost more than 1 request of 16 tokens. The speed profile models this
-(`SpeedProfile.segment_seconds`); this prints the raw medians it rests on, 300-token contexts, 9 interleaved repeats.
+(`SpeedProfile.segment_seconds`); this prints the raw medians it rests on, 300-token contexts, 9 interleaved repeats,
+for both attention paths side by side: the C kernel (one call per layer for all short segments,
+models/native_attention.py) and torch's per-request loop (the reference). With no kernel, the torch column only.
 """
 from __future__ import annotations
 
@@ -35,17 +37,27 @@ def main() -> None:
         for c in caches[:len(parts)]:
             c.truncate(CONTEXT)
 
-    for parts in CASES.values():  # warm-up
-        step(parts)
-    times: dict[str, list[float]] = {k: [] for k in CASES}
+    paths = [False, True] if model.native_attention else [False]
+    for flag in paths:  # warm-up
+        model.native_attention = flag
+        for parts in CASES.values():
+            step(parts)
+    times = {(name, flag): [] for name in CASES for flag in paths}
     for _ in range(9):
         for name, parts in CASES.items():
-            t0 = time.perf_counter()
-            step(parts)
-            times[name].append(time.perf_counter() - t0)
-    print("requests x tokens each\tms per forward (median)")
+            for flag in paths:
+                model.native_attention = flag
+                t0 = time.perf_counter()
+                step(parts)
+                times[name, flag].append(time.perf_counter() - t0)
+    print("requests x tokens each\tms per forward, torch attention\tC kernel\tratio (medians)")
     for name in CASES:
-        print(f"{name}\t{1e3 * np.median(times[name]):.1f}")
+        torch_ms = 1e3 * np.median(times[name, False])
+        if len(paths) == 1:
+            print(f"{name}\t{torch_ms:.1f}")
+            continue
+        native_ms = 1e3 * np.median(times[name, True])
+        print(f"{name}\t{torch_ms:.1f}\t{native_ms:.1f}\t{native_ms / torch_ms:.2f}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..models import native
+from ..models import native, native_attention
 from ..models.loader import cache_root
 from ..models.transformer import Segment, Transformer
 from ..scheduling.profile import ProfileKey, SpeedProfile, current_machine, measure_profile
@@ -71,9 +71,12 @@ def drafter_step_fn(model: Transformer, drafter, depth: int | None = None):
 
 
 def profile_key(model_id: str, dtype: str, drafter_id: str = "none") -> ProfileKey:
-    """The native kernel speeds up 1-2 token forwards only, so a profile measured without it (or before it
-    existed: files without the field) is stale and re-measured."""
-    kernels = "native" if dtype == "float32" and native.kernel() is not None else "torch"
+    """The native kernels change the price of a step (projections of 1-2 rows; attention of short segments, the
+    per-request cost), so a profile measured without one of them (or before it existed) is stale and re-measured."""
+    fp32 = dtype == "float32"
+    used = [name for name, ok in (("native", fp32 and native.kernel() is not None),
+                                  ("attention", fp32 and native_attention.kernel() is not None)) if ok]
+    kernels = "+".join(used) or "torch"
     return ProfileKey(model_id=model_id, drafter_id=drafter_id, machine=current_machine(), dtype=dtype,
                       kernels=kernels)
 

@@ -41,22 +41,22 @@ def _cpu_signature() -> str:
     return platform.machine() + platform.processor() + flags
 
 
-def _build(cache_dir: Path) -> Path | None:
+def _build(cache_dir: Path, source_path: Path = SOURCE) -> Path | None:
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
-        log.info("no C compiler found; using torch's kernels for decode projections")
+        log.info("no C compiler found; using torch's kernels instead of %s", source_path.name)
         return None
-    source = SOURCE.read_bytes()
+    source = source_path.read_bytes()
     errors = []
     for flags in FLAG_SETS:
         key = hashlib.sha256(source + " ".join([cc, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
-        out = cache_dir / f"native_linear-{key}.so"
+        out = cache_dir / f"{source_path.stem}-{key}.so"
         if out.exists():
             return out
         cache_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
         os.close(fd)
-        cmd = [cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
+        cmd = [cc, *flags, "-shared", "-fPIC", "-o", tmp, str(source_path), "-lm"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -66,7 +66,7 @@ def _build(cache_dir: Path) -> Path | None:
             return out
         os.unlink(tmp)
         errors.append(f"{' '.join(flags)}: {done.stderr.strip()[-300:]}")
-    log.warning("could not build the native projection kernel; using torch's kernels:\n%s", "\n".join(errors))
+    log.warning("could not build %s; using torch's kernels:\n%s", source_path.name, "\n".join(errors))
     return None
 
 
@@ -82,26 +82,34 @@ def _self_check(fn) -> bool:
     return True
 
 
-@functools.cache
-def kernel(cache_dir: str | None = None):
-    """The loaded C function, or None where it cannot be used (see the module docstring). Cached per process."""
+def load_function(source: Path, symbol: str, cache_dir: str | None = None):
+    """`symbol` from `source` built into the dspark cache, or None (no compiler, failed build or load, or
+    `DSPARK_NATIVE=0`). The caller sets the signature and runs its own self-check."""
     if os.environ.get("DSPARK_NATIVE", "1") == "0":
         return None
     from .loader import cache_root
 
-    path = _build(Path(cache_dir) if cache_dir else cache_root() / "native")
+    path = _build(Path(cache_dir) if cache_dir else cache_root() / "native", source)
     if path is None:
         return None
     try:
-        fn = ctypes.CDLL(str(path)).dspark_linear
+        return getattr(ctypes.CDLL(str(path)), symbol)
     except (OSError, AttributeError) as exc:
         log.warning("could not load %s (%s); using torch's kernels", path, exc)
+        return None
+
+
+@functools.cache
+def kernel(cache_dir: str | None = None):
+    """The loaded C function, or None where it cannot be used (see the module docstring). Cached per process."""
+    fn = load_function(SOURCE, "dspark_linear", cache_dir)
+    if fn is None:
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
     fn.restype = None
     if not _self_check(fn):
-        log.warning("the native projection kernel at %s failed its self-check; using torch's kernels", path)
+        log.warning("the native projection kernel failed its self-check; using torch's kernels")
         return None
     return fn
 

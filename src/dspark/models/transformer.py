@@ -3,7 +3,9 @@
 One call runs a *flattened* ragged batch: the new tokens of many requests laid end to end, each request a
 `Segment` (its KV cache, the position of its first new token, how many tokens). Linear layers run once over
 all N tokens (projections fused: qkv, gate+up, since per-call overhead dominates on CPU at small N);
-attention runs per segment against that request's cache. The HF classes are the reference in tests only.
+attention runs per segment against that request's cache — short segments (decode, verification) in one C call
+per layer where the native kernel is usable (models/native_attention.py), the rest one torch call each, which
+stays the reference. The HF classes are the reference in tests only.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from . import native_attention
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .layers import Projection, RotaryTable, activation, apply_rotary, rms_norm
@@ -32,6 +35,14 @@ class ForwardOutput:
     logits: torch.Tensor | None  # [M, V] fp32, for the requested rows
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [N, d], before the final norm
     final_hidden: torch.Tensor | None = None  # [M, d], after the final norm (what the LM head sees)
+
+
+@dataclass
+class _AttentionPlan:
+    """Who attends how in one forward: the native kernel's segment table (None: no kernel segments) and the
+    segments left to torch, each with its first row and its key view per attention window."""
+    native: torch.Tensor | None
+    loop: list[tuple[int, Segment, dict]]
 
 
 @dataclass
@@ -64,6 +75,8 @@ class Transformer:
         self.act = activation(config.activation)
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=self.dtype, device=self.device)
                             if config.gemma_norm else None)
+        # A switch, not a constant: benchmarks and tests compare the two attention paths on one model.
+        self.native_attention = native_attention.usable(self.dtype, self.device)
 
     # ----------------------------------------------------------------------------------------------
     def new_cache(self, capacity: int = 256) -> KVCache:
@@ -99,14 +112,11 @@ class Transformer:
         rope_local = self.rope_local.lookup(positions, top) if self.rope_local is not self.rope else rope_global
         wanted = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {}
-        # Each segment's key range and mask depend only on its window, not on the layer: build them once per
-        # forward, not once per layer (a few small ops per segment × 30 layers was ~1.3 ms per request per step).
-        windows = {self._window(i) for i in range(len(self.layers))}
-        views = {w: [self._key_view(s, w) for s in segments] for w in windows}
+        plan = self._plan_attention(segments)
         x = self.embed_tokens(tokens.to(self.device))  # [N, d]
         for i, layer in enumerate(self.layers):
             rope = rope_local if self.config.is_sliding(i) else rope_global
-            x = self._layer(i, layer, x, rope, segments, views[self._window(i)])
+            x = self._layer(i, layer, x, rope, plan)
             if i in wanted:
                 hidden[i] = x
         rows = x if logit_rows is None else x[logit_rows.to(self.device)]
@@ -117,6 +127,22 @@ class Transformer:
     # ----------------------------------------------------------------------------------------------
     def _window(self, index: int) -> int | None:
         return self.config.sliding_window if self.config.is_sliding(index) else None
+
+    def _plan_attention(self, segments: Sequence[Segment]) -> _AttentionPlan:
+        rows = [0]
+        for s in segments[:-1]:
+            rows.append(rows[-1] + s.length)
+        short = [self.native_attention and s.length <= native_attention.MAX_QUERIES for s in segments]
+        native = [(r, s) for r, s, fast in zip(rows, segments, short) if fast]
+        table = (native_attention.segment_table([s.cache for _, s in native], [r for r, _ in native],
+                                                [s.start for _, s in native], [s.length for _, s in native])
+                 if native else None)
+        # A segment's key range and mask depend only on its window, not on the layer: build them once per
+        # forward, not once per layer (a few small ops per segment × 30 layers was ~1.3 ms per request per step).
+        windows = {self._window(i) for i in range(len(self.layers))}
+        loop = [(r, s, {w: self._key_view(s, w) for w in windows})
+                for r, s, fast in zip(rows, segments, short) if not fast]
+        return _AttentionPlan(table, loop)
 
     def _key_view(self, seg: Segment, window: int | None) -> tuple[int, torch.Tensor | None]:
         """(first cache position any query of this segment can see, boolean mask [n, T] or None if none needed).
@@ -132,11 +158,11 @@ class Transformer:
             mask &= k_pos > q_pos - window
         return first, mask
 
-    def _layer(self, index: int, w: LayerWeights, x: torch.Tensor, rope, segments, views) -> torch.Tensor:
+    def _layer(self, index: int, w: LayerWeights, x: torch.Tensor, rope, plan: _AttentionPlan) -> torch.Tensor:
         # In-place where the tensor is ours alone (fewer allocations: per-op overhead dominates at small N);
         # the layer's input x may be a captured hidden state, so the first residual add makes a new tensor.
         eps = self.config.rms_eps
-        h = self._attention(index, w, rms_norm(x, w.attn_norm, eps), rope, segments, views)
+        h = self._attention(index, w, rms_norm(x, w.attn_norm, eps), rope, plan)
         if w.post_attn_norm is not None:
             h = rms_norm(h, w.post_attn_norm, eps)
         x = x + h
@@ -146,7 +172,7 @@ class Transformer:
             h = rms_norm(h, w.post_ffn_norm, eps)
         return x.add_(h)
 
-    def _attention(self, index: int, w: LayerWeights, x: torch.Tensor, rope, segments, views) -> torch.Tensor:
+    def _attention(self, index: int, w: LayerWeights, x: torch.Tensor, rope, plan: _AttentionPlan) -> torch.Tensor:
         c = self.config
         n, hd = x.shape[0], c.head_dim
         qkv = w.qkv(x).view(n, c.num_heads + 2 * c.num_kv_heads, hd)
@@ -159,15 +185,18 @@ class Transformer:
         else:
             q = apply_rotary(rms_norm(qkv[:, :c.num_heads], w.q_norm, c.rms_eps), cos, sin)
             k = apply_rotary(rms_norm(qkv[:, c.num_heads:heads], w.k_norm, c.rms_eps), cos, sin)
-        if len(segments) == 1:  # decoding one request: no gather buffer, no copies (per-op cost dominates)
-            out = self._segment_attention(index, q, k, v, segments[0], views[0])
+        window = self._window(index)
+        if plan.native is None and len(plan.loop) == 1:  # one request in torch: no gather buffer, no copies
+            _, seg, views = plan.loop[0]
+            out = self._segment_attention(index, q, k, v, seg, views[window])
             return w.o(out.reshape(n, c.num_heads * hd))
         out = torch.empty(n, c.num_heads, hd, dtype=x.dtype, device=x.device)  # [N, H, hd]
-        offset = 0
-        for s, view in zip(segments, views):
-            rows = slice(offset, offset + s.length)
-            out[rows] = self._segment_attention(index, q[rows], k[rows], v[rows], s, view)
-            offset += s.length
+        if plan.native is not None:
+            native_attention.attend(native_attention.kernel(), q, k, v, out, plan.native, index, window,
+                                    c.query_scale or hd ** -0.5, c.attn_logit_softcap)
+        for first, seg, views in plan.loop:
+            rows = slice(first, first + seg.length)
+            out[rows] = self._segment_attention(index, q[rows], k[rows], v[rows], seg, views[window])
         return w.o(out.view(n, c.num_heads * hd))
 
     def _segment_attention(self, index: int, q, k, v, seg: Segment, view) -> torch.Tensor:

@@ -38,7 +38,7 @@ class ProfileKey:
     drafter_id: str
     machine: str
     dtype: str
-    kernels: str = "torch"  # which projection kernels ran ("native": models/native.py); files without it: torch
+    kernels: str = "torch"  # native kernels used: "native" (projections), "attention"; files without it: torch
 
     def as_dict(self) -> dict[str, str]:
         return {"model_id": self.model_id, "drafter_id": self.drafter_id, "machine": self.machine, "dtype": self.dtype,

@@ -1,0 +1,119 @@
+"""Ragged attention for decode and verification segments in one C call per layer (native_attention.c).
+
+Why: the torch path (transformer.Transformer._segment_attention, kept as the reference) runs one
+scaled_dot_product_attention per request per layer, plus two cache writes and a copy; at 16 one-token requests
+that loop cost more than the attention itself (`scripts/segment_cost.py` prints both paths side by side). The
+kernel writes each request's new keys and values into its own cache and attends over them, one task per
+(request, KV head), so the per-request KV layout (and its O(1) rollback) is unchanged.
+
+Used for segments of at most MAX_QUERIES tokens on fp32 CPU caches; longer segments (prefill chunks) keep torch's
+flash kernel, which is faster there. Like models/native.py: no compiler, a failed build or self-check, or
+`DSPARK_NATIVE=0` leave the torch path — slower, never wrong.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from . import native
+
+log = logging.getLogger("dspark")
+SOURCE = Path(__file__).with_name("native_attention.c")
+MAX_QUERIES = 32  # beyond this a segment is a prefill chunk: torch's blocked flash kernel wins there
+
+_L, _P = ctypes.c_long, ctypes.c_void_p
+_ARGTYPES = [_P, _L, _P, _L, _P, _L, _P, _L, _P, _L, _L, _L, _L, _L, _L, ctypes.c_float, ctypes.c_float, ctypes.c_int]
+
+
+def segment_table(caches: Sequence, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The per-forward description of the kernel's segments: int64 [7, n] (see dspark_ragged_attention). Built once
+    per forward, after the caches reserved their positions (a reallocation moves their buffers)."""
+    return torch.tensor([list(rows), list(starts), list(lengths), [c.k.data_ptr() for c in caches],
+                         [c.v.data_ptr() for c in caches], [c.capacity for c in caches], [0] * len(caches)],
+                        dtype=torch.int64)
+
+
+def attend(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
+           layer: int, window: int | None, scale: float, softcap: float | None) -> None:
+    """q [N, H, hd], k/v [N, kvH, hd] (row-strided views are fine, heads contiguous) -> out [N, H, hd] rows of the
+    table's segments; their new keys/values are written into the caches first."""
+    for t in (q, k, v, out):
+        if t.dtype != torch.float32 or t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+            raise ValueError("the native attention kernel needs fp32 tensors with contiguous heads")
+    n_seg = table.shape[1]
+    failed = fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(),
+                out.stride(0), table.data_ptr(), n_seg, layer, q.shape[1], k.shape[1], q.shape[2], window or 0,
+                scale, softcap or 0.0, torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"native attention: {failed} of {n_seg * k.shape[1]} tasks could not allocate scratch")
+
+
+def reference(q, k_cache, v_cache, start: int, length: int, window: int | None, scale: float,
+              softcap: float | None) -> torch.Tensor:
+    """Plain torch attention of one segment: q [n, H, hd]; caches [kvH, T, hd] holding its new rows -> [n, H, hd]."""
+    end = start + length
+    q_pos = torch.arange(start, end).unsqueeze(1)
+    k_pos = torch.arange(end).unsqueeze(0)
+    mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)  # [n, T]
+    groups = q.shape[1] // k_cache.shape[0]
+    keys = k_cache[:, :end].repeat_interleave(groups, 0)  # [H, T, hd]
+    values = v_cache[:, :end].repeat_interleave(groups, 0)
+    scores = q.transpose(0, 1).double() @ keys.double().transpose(-1, -2) * scale  # [H, n, T]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ values.double()).transpose(0, 1).float()
+
+
+def _self_check(fn) -> bool:
+    """Against fp64 torch on awkward shapes (GQA, a window, a softcap, a head size not a multiple of 8)."""
+    g = torch.Generator().manual_seed(0)
+    for heads, kv_heads, hd, window, softcap in ((4, 2, 12, None, None), (6, 3, 16, 3, None), (2, 1, 8, None, 5.0)):
+        caches = [_Cache(torch.randn(2, kv_heads, 12, hd, generator=g), torch.randn(2, kv_heads, 12, hd, generator=g))
+                  for _ in range(2)]
+        starts, lengths = [5, 0], [3, 2]
+        n = sum(lengths)
+        q, k, v = (torch.randn(n, h, hd, generator=g) for h in (heads, kv_heads, kv_heads))
+        out = torch.empty(n, heads, hd)
+        table = segment_table(caches, [0, 3], starts, lengths)
+        attend(fn, q, k, v, out, table, 1, window, hd ** -0.5, softcap)
+        for c, row, start, length in zip(caches, [0, 3], starts, lengths):
+            want = reference(q[row:row + length], c.k[1], c.v[1], start, length, window, hd ** -0.5, softcap)
+            written = torch.equal(c.k[1][:, start:start + length], k[row:row + length].transpose(0, 1))
+            if not written or not torch.allclose(out[row:row + length], want, rtol=1e-4, atol=1e-5):
+                return False
+    return True
+
+
+class _Cache:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v  # [L, kvH, cap, hd]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+@functools.cache
+def kernel(cache_dir: str | None = None):
+    """The loaded C function, or None where it cannot be used. Cached per process."""
+    fn = native.load_function(SOURCE, "dspark_ragged_attention", cache_dir)
+    if fn is None:
+        return None
+    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    if not _self_check(fn):
+        log.warning("the native attention kernel failed its self-check; using torch's attention")
+        return None
+    return fn
+
+
+def usable(cache_dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and cache_dtype == torch.float32 and kernel() is not None
+
+
+__all__ = ["MAX_QUERIES", "attend", "kernel", "reference", "segment_table", "usable"]
