@@ -29,6 +29,7 @@ from dspark.engine.profiling import load_or_profile, profile_key
 
 def step_times(loops: dict, seconds: float, profile) -> None:
     rec = {n: collections.defaultdict(list) for n in loops}
+    prefill = {n: np.zeros(3) for n in loops}  # steps with a prompt chunk in them: count, step s, drafter s
     t_end = time.time() + seconds
     while time.time() < t_end:
         for name, loop in loops.items():
@@ -36,6 +37,8 @@ def step_times(loops: dict, seconds: float, profile) -> None:
             before = (s.steps, s.step_seconds_total, s.forward_seconds_total, s.drafter_seconds_total)
             loop.tick()
             plan = loop.engine.last_plan
+            if plan is not None and plan.prefilling and s.steps > before[0]:
+                prefill[name] += (1, s.step_seconds_total - before[1], s.drafter_seconds_total - before[3])
             if plan is None or plan.prefilling or not plan.decoding or s.steps == before[0]:
                 continue
             rec[name][len(plan.tokens)].append((s.step_seconds_total - before[1], s.forward_seconds_total - before[2],
@@ -51,8 +54,11 @@ def step_times(loops: dict, seconds: float, profile) -> None:
                   f"(profile {1e3 * float(profile.draft_s(r)):5.1f})")
     for name, loop in loops.items():
         st = loop.engine.stats
+        n, step_s, drafter_s = prefill[name]
         print(f"{name}: {st.generation_tokens / loop.clock:.1f} tok/s overall, "
-              f"tau {1 + st.num_accepted_tokens / max(1, st.decode_requests_total):.3f}")
+              f"tau {1 + st.num_accepted_tokens / max(1, st.decode_requests_total):.3f}; {st.steps} steps in "
+              f"{st.step_seconds_total:.1f} s, drafter {st.drafter_seconds_total:.2f} s; {int(n)} steps with "
+              f"prefill: {step_s:.1f} s, drafter {drafter_s:.2f} s of it")
 
 
 def confidence_check(loop: ClosedLoop, seconds: float) -> None:

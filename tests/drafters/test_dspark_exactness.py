@@ -208,3 +208,61 @@ def test_t1_output_distribution_with_shallow_async_drafting():
     assert any(d is not None and 1 < d < 5 for d in depths)
     assert sum(r.accepted for r in reqs) > 0
     assert_first_tokens_match_target(target, [r.output for r in reqs], n)
+
+
+def _probing_engine(target, drafter, max_running: int):
+    """Async with a margin no step can clear (K = 0 always) and a probe every other step, each drafting one
+    request: every drafted block comes from a partial probe verified by Algorithm 1."""
+    from dspark.engine.engine import Engine, EngineConfig
+    from dspark.scheduling.registry import make_policy
+
+    policy = make_policy("async", sps=_depth_priced_profile(drafter.gamma), probe_every=1, max_probe_every=1,
+                         min_gain=0.99, probe_requests=1)
+    engine = Engine(target, None, drafter, policy, (), EngineConfig(gamma=drafter.gamma, max_running=max_running,
+                                                                    prefill_chunk=6))
+    shapes, propose = [], drafter.propose
+    drafter.propose = lambda reqs, depth=None: shapes.append((len(reqs), len(engine.running))) or propose(reqs, depth)
+    return engine, shapes
+
+
+def test_engine_greedy_with_partial_probes_equals_plain():
+    target = tiny_target(seed=4, scale=6.0)
+    drafter = tiny_drafter(target, head="markov", block=5)
+    engine, shapes = _probing_engine(target, drafter, max_running=3)
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [5, 17, 33, 2, 9], [40, 41]]
+    reqs = [engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    for prompt, req in zip(prompts, reqs):
+        assert req.error is None and req.output == plain_greedy(target, prompt, 32)
+    assert (1, 3) in shapes and sum(r.accepted for r in reqs) > 0  # one of three drafted, and drafts accepted
+
+
+def test_engine_seeded_sampling_with_partial_probes():
+    target = tiny_target(seed=4, scale=2.0)
+    drafter = tiny_drafter(target, head="markov", block=4)
+
+    def run(seed):
+        engine, shapes = _probing_engine(target, drafter, max_running=2)
+        reqs = [engine.add_request(p, SamplingParams(temperature=1.0, max_new_tokens=20, seed=seed + i,
+                                                     ignore_eos=True)) for i, p in enumerate([[3, 4, 5], [9, 2]])]
+        while engine.has_unfinished():
+            engine.step()
+        assert (1, 2) in shapes
+        return [r.output for r in reqs]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_t1_output_distribution_with_partial_probes():
+    target = tiny_target(vocab=V, hidden=32, layers=2, seed=11, scale=3.0)
+    drafter = tiny_drafter(target, head="markov", rank=6, block=5, head_scale=1.0)
+    engine, shapes = _probing_engine(target, drafter, max_running=4)
+    n = 4000
+    reqs = [engine.add_request(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=FIRST, seed=i, ignore_eos=True))
+            for i in range(n)]
+    while engine.has_unfinished():
+        engine.step()
+    assert (1, 4) in shapes and sum(r.accepted for r in reqs) > 0
+    assert_first_tokens_match_target(target, [r.output for r in reqs], n)

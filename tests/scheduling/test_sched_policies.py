@@ -299,6 +299,26 @@ def test_async_policy_probes_after_skipped_steps_and_recovers():
     assert pol.select(strong).tolist() == [3]
 
 
+def test_async_probe_drafts_few_requests_and_keeps_only_their_rows():
+    prof = SpeedProfile((1, 2, 8), (1.0, 1.0, 1.0), (1, 100), (0.5, 0.5))
+    pol = AsyncPolicy(prof, probe_every=1, pool_requests=1, probe_requests=2)
+    weak, strong = np.full((6, 3), 0.1), np.full((2, 3), 0.99)
+    for _ in range(2):  # no history yet: Algorithm 1 drafts every request
+        assert pol.prepare(6) and pol.requests_to_draft(6) == 6
+        pol.select(weak)
+    assert not pol.prepare(6) and pol.requests_to_draft(6) == 6  # K = 0: skipped (nothing drafted anyway)
+    pol.select(None, n_requests=6)
+    assert pol.prepare(6) and pol.last_capacity is None and pol.requests_to_draft(6) == 2  # the probe
+    shown = np.zeros((6, 3))
+    shown[[1, 4]] = strong  # the engine's layout: drafted rows in place, zeros elsewhere
+    got = pol.select(shown, drafted=[1, 4])
+    assert got[[0, 2, 3, 5]].tolist() == [0, 0, 0, 0] and (got[[1, 4]] > 0).all()
+    assert np.array_equal(pol._history[-1][1], strong)  # only the probed rows enter the history
+    assert pol.requests_to_draft(1) == 1
+    with pytest.raises(ValueError, match="probe_requests"):
+        AsyncPolicy(prof, probe_requests=0)
+
+
 def test_async_policy_backs_off_probing_while_speculation_does_not_pay():
     prof = SpeedProfile((1, 2, 8), (1.0, 1.0, 1.0), (1, 100), (0.5, 0.5))
     pol = AsyncPolicy(prof, probe_every=2, max_probe_every=8, pool_requests=1)

@@ -67,6 +67,10 @@ class DraftFeed:
             for req in todo:
                 on_error(req, exc)
 
+    def backlog(self, request: Request) -> int:
+        """Rows this request would have fed before it can draft."""
+        return self.held.get(request.request_id, 0)
+
     def drop(self, request: Request) -> None:
         self.pending.pop(request.request_id, None)
         self.held.pop(request.request_id, None)

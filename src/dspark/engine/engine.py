@@ -114,7 +114,8 @@ class Engine:
             return outputs
         failed: list[RequestOutput] = []  # requests whose deferred feed failed while planning
         plan = plan_step(self.running, self.drafter, self.policy, self.config, self.model.config.max_position,
-                         before_draft=lambda reqs: self.feed.flush(reqs, lambda r, e: self._fail(r, e, failed)))
+                         before_draft=lambda reqs: self.feed.flush(reqs, lambda r, e: self._fail(r, e, failed)),
+                         backlog=self.feed.backlog)
         self.last_plan = plan
         if failed:
             outputs += failed

@@ -34,7 +34,7 @@ class StepPlan:
         return int(self.lengths.sum()) + len(self.decoding) if self.decoding else 0
 
 
-def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: int, before_draft):
+def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: int, before_draft, backlog):
     R = len(decoding)
     drafts, lengths = torch.zeros(R, gamma, dtype=torch.long), torch.zeros(R, dtype=torch.long)
     if R == 0:  # nothing to draft for; stateful policies must not record an empty step
@@ -43,31 +43,80 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
         policy.select(None, n_requests=R, gamma=gamma)  # keeps stateful policies in step
         return decoding, drafts, lengths, None, None, None, 0.0
     t0 = time.perf_counter()
+    rows = _rows_to_draft(decoding, policy, backlog)
+    subset = decoding if rows is None else [decoding[i] for i in rows]
     if before_draft is not None:  # the engine feeds deferred target states (engine/draft_feed.py)
-        before_draft(decoding)
+        before_draft(subset)
         decoding = [r for r in decoding if not r.finished]  # a failed feed fails its requests only
-        if not decoding:
-            return decoding, drafts[:0], lengths[:0], None, None, None, time.perf_counter() - t0
+        subset = [r for r in subset if not r.finished]
+        if not subset:  # nothing left to draft for: the others verify no drafts this step
+            return decoding, drafts[:len(decoding)], lengths[:len(decoding)], None, None, None, \
+                time.perf_counter() - t0
+        if rows is not None:
+            position = {id(r): i for i, r in enumerate(decoding)}
+            rows = [position[id(r)] for r in subset]
     # A policy that caps ℓ (fixed-K) says so, and the drafter drafts no more than that.
     depth = policy.draft_depth(gamma) if hasattr(policy, "draft_depth") else gamma
-    proposal = drafter.propose([r.draft for r in decoding], depth=depth)
+    proposal = drafter.propose([r.draft for r in subset], depth=depth)
     seconds = time.perf_counter() - t0  # feeding included: it is the drafter's model work
-    conf = None if proposal.confidences is None else proposal.confidences.double().numpy()
-    chosen = torch.as_tensor(np.asarray(policy.select(conf, n_requests=R, gamma=gamma)), dtype=torch.long)
+    tokens, num, probs, conf, raw = _widen(proposal, rows, len(decoding))
+    extra = {} if rows is None else {"drafted": rows}
+    chosen = torch.as_tensor(np.asarray(policy.select(conf, n_requests=len(decoding), gamma=gamma, **extra)),
+                             dtype=torch.long)
     room = torch.tensor([min(r.params.max_new_tokens - len(r.output), max_position - r.num_tokens) - 1
                          for r in decoding])  # tokens a round may add beyond the anchor
-    lengths = torch.minimum(torch.minimum(chosen, proposal.num_tokens), room.clamp(min=0))
+    lengths = torch.minimum(torch.minimum(chosen, num), room.clamp(min=0))
+    raw = None if raw is None else raw[:, :gamma]
+    return decoding, tokens[:, :gamma], lengths, probs, conf, raw, seconds
+
+
+def _rows_to_draft(decoding: list[Request], policy, backlog) -> list[int] | None:
+    """Indices of the requests to draft for (None: all). A probing policy may ask for fewer (AsyncPolicy: a probe
+    under load drafts one request, not all); the cheapest are taken — fewest target states still to feed the
+    drafter — which depends only on past steps, so the choice stays lossless."""
+    want = policy.requests_to_draft(len(decoding)) if hasattr(policy, "requests_to_draft") else len(decoding)
+    if want >= len(decoding):
+        return None
+    cost = [backlog(r) if backlog is not None else 0 for r in decoding]
+    return sorted(sorted(range(len(decoding)), key=lambda i: cost[i])[:want])
+
+
+def _widen(proposal, rows: list[int] | None, n: int):
+    """The proposal of a subset of requests laid out over all n: rows not drafted get 0 drafts, confidence 0
+    (never admitted) and NaN raw confidence logits (never used for calibration: they verify nothing)."""
+    conf = None if proposal.confidences is None else proposal.confidences.double().numpy()
     raw = getattr(proposal, "confidence_logits", None)
-    raw = None if raw is None else raw[:, :gamma].double().numpy()
-    return decoding, proposal.tokens[:, :gamma], lengths, proposal.probs, conf, raw, seconds
+    raw = None if raw is None else raw.double().numpy()
+    if rows is None:
+        return proposal.tokens, proposal.num_tokens, proposal.probs, conf, raw
+    idx = torch.tensor(rows)
+    tokens = proposal.tokens.new_zeros(n, proposal.tokens.shape[1])
+    tokens[idx] = proposal.tokens
+    num = proposal.num_tokens.new_zeros(n)
+    num[idx] = proposal.num_tokens
+    probs = None
+    if proposal.probs is not None:
+        probs = proposal.probs.new_zeros(n, *proposal.probs.shape[1:])
+        probs[idx] = proposal.probs
+    if conf is not None:
+        conf_full = np.zeros((n, conf.shape[1]))
+        conf_full[rows] = conf
+        conf = conf_full
+    if raw is not None:
+        raw_full = np.full((n, raw.shape[1]), np.nan)
+        raw_full[rows] = raw
+        raw = raw_full
+    return tokens, num, probs, conf, raw
 
 
-def plan_step(running: list[Request], drafter, policy, config, max_position: int, before_draft=None) -> StepPlan:
-    """before_draft(decoding requests) runs only when the drafter will propose this step."""
+def plan_step(running: list[Request], drafter, policy, config, max_position: int, before_draft=None,
+              backlog=None) -> StepPlan:
+    """before_draft(requests) runs only when the drafter will propose this step, for the requests it drafts;
+    backlog(request) = its target states not yet fed to the drafter (what drafting it first would cost)."""
     decoding = [r for r in running if r.status is Status.DECODE]
     prefilling = [r for r in running if r.status is Status.PREFILL]
     decoding, drafts, lengths, probs, conf, raw, seconds = _draft(decoding, drafter, policy, config.gamma,
-                                                                  max_position, before_draft)
+                                                                  max_position, before_draft, backlog)
     pieces, segments, logit_rows = [], [], []
     plan = StepPlan(tokens=torch.empty(0), segments=segments, logit_rows=torch.empty(0), decoding=decoding,
                     drafts=drafts, lengths=lengths, draft_probs=probs, confidences=conf, confidence_logits=raw,

@@ -128,7 +128,7 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
         take = _prefill_take(np.where(decoding, 0, prefill), prefill_chunk)  # [R]
         emit = np.zeros(remaining.size, dtype=np.int64)
         emit[~decoding & (take == prefill)] = 1  # the step that ends a prompt yields its first token
-        b, drafted, depth = n_dec + int(take.sum()), False, gamma
+        b, drafted, depth, n_drafted = n_dec + int(take.sum()), False, gamma, 0
         if n_dec:  # like the engine: no decoding requests, no policy call
             # Draw rounds even when the drafter is skipped, so policies run with one seed see the same draws.
             rounds = rng.integers(len(traces), size=n_dec)
@@ -136,8 +136,13 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
             drafted = policy.prepare(n_dec)  # decided before drafting, as an engine must
             depth = policy.draft_depth(gamma) if drafted and hasattr(policy, "draft_depth") else gamma
             conf, n_acc = conf[:, :depth], np.minimum(n_acc, depth)  # drafted shallower: fewer slots exist
+            n_drafted = policy.requests_to_draft(n_dec) if drafted and hasattr(policy, "requests_to_draft") else n_dec
+            extra = {}
+            if n_drafted < n_dec:  # a probe of a few requests: the rest have no drafts (the engine's first rows)
+                conf, n_acc, extra = conf.copy(), n_acc.copy(), {"drafted": list(range(n_drafted))}
+                conf[n_drafted:], n_acc[n_drafted:] = 0.0, 0
             shown = conf if (drafted and policy.needs_confidence) else None
-            ell = policy.select(shown, n_requests=n_dec, gamma=gamma)
+            ell = policy.select(shown, n_requests=n_dec, gamma=gamma, **extra)
             emit[decoding] = np.minimum(n_acc, ell) + 1
             if shown is not None and hasattr(policy, "observe_outcomes"):
                 policy.observe_outcomes(shown, ell, np.minimum(n_acc, ell))
@@ -146,7 +151,8 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
             sum_emit += int(emit[decoding].sum())
             request_steps += n_dec
         segments = n_dec + int((take > 0).sum())  # each request in the step is an attention segment of its own
-        dt = float(profile.step_s(b, n_requests=segments)) + (float(profile.draft_s(n_dec, depth)) if drafted else 0.0)
+        dt = float(profile.step_s(b, n_requests=segments)) + (float(profile.draft_s(n_drafted, depth)) if drafted
+                                                              else 0.0)
         t += dt
         busy += remaining.size * dt
         steps += 1
