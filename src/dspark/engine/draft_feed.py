@@ -5,12 +5,13 @@ before it drafts. Feeding them after every forward costs one small batched proje
 where the policy skips the drafter — the asynchronous scheduler under load, or `none` with a drafter loaded —
 and that cost alone kept async at 0.94–0.97× no speculation at concurrency ≤ 4 on the dev CPU. So the rows are
 copied out of the forward's hidden states and fed in one batched call just before the next proposal: the same
-arithmetic, once per drafting step instead of once per step. `max_pending` bounds what a request may hold
-(then it is fed at once), so a long stretch without drafting costs memory of at most that many tokens. 256:
-rows of a request that finishes before the drafter next runs are dropped unfed, and under load the async
-scheduler runs the drafter only for its probes (every 64 steps at most), so a bound near the typical output
-length (64 flushed most requests once, for nothing) is wasted work; 256 rows are 3 MB for SmolLM2-135M (five
-576-wide fp32 layers), 40 MB for a 4096-wide bf16 target.
+arithmetic, once per drafting step instead of once per step. A request holding `max_pending_bytes` of
+pending states (32 MiB) is fed at once, so a long stretch without drafting costs bounded memory: 2,900 rows for
+SmolLM2-135M (five 576-wide fp32 layers), 800 for a 4096-wide bf16 target — and never more rows than the request
+has KV positions, i.e. at most 25 % on top of its KV cache for SmolLM2-135M. The bound was 64 rows, then 256: under
+load the async scheduler drafts only for its probes, so a request's prompt (often longer than 256 tokens) was fed
+at once and then mostly never drafted from (drafter share of async's step time at C = 8 on the dev CPU: 1.1 % →
+see README "Serving, session 11"); rows of a request that finishes before the drafter next runs are dropped unfed.
 Feeding order and content are unchanged, so the drafter's context is the same as with eager feeding.
 """
 from __future__ import annotations
@@ -25,10 +26,11 @@ ON_ERROR = Callable[[Request, Exception], None]
 
 
 class DraftFeed:
-    def __init__(self, drafter, max_pending: int = 256):
+    def __init__(self, drafter, max_pending_bytes: int = 32 * 2**20, max_pending: int | None = None):
         self.drafter = drafter
         self.layers = tuple(drafter.needs_layers) if drafter is not None else ()
-        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        self.max_pending = max_pending  # rows; None: as many as fit in max_pending_bytes
         self.pending: dict[str, list[torch.Tensor]] = {}  # request id -> chunks [n, m, d], in position order
         self.held: dict[str, int] = {}  # request id -> rows pending
 
@@ -41,11 +43,12 @@ class DraftFeed:
         """observed: (request, first row, count) of the tokens each request committed in this forward."""
         rows = torch.cat([torch.arange(first, first + n) for _, first, n in observed])  # [M] rows of the forward
         states = torch.stack([hidden[layer][rows] for layer in self.layers], dim=1)  # [M, m, d]: one copy
-        full = []
+        row_bytes = states[0].numel() * states.element_size()
+        full, limit = [], self.max_pending or max(1, self.max_pending_bytes // row_bytes)
         for (req, _, n), chunk in zip(observed, states.split([n for _, _, n in observed])):
             self.pending.setdefault(req.request_id, []).append(chunk)
             self.held[req.request_id] = self.held.get(req.request_id, 0) + n
-            if self.held[req.request_id] >= self.max_pending:
+            if self.held[req.request_id] >= limit:
                 full.append(req)
         self.flush(full, on_error)
 

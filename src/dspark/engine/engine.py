@@ -212,7 +212,7 @@ class Engine:
 
     def _feed_drafter(self, out, outputs: list[RequestOutput]) -> None:
         """Keep the target states of every token committed this step for the drafter (fed before it drafts, or
-        now for a request holding `max_pending` rows: a failure then fails it here, with its final output)."""
+        now for a request holding its bound of pending rows: a failure then fails it here, with its final output)."""
         live = [(r, first, n) for r, first, n in self._observed if not r.finished]
         if not self.feed.active or not out.hidden or not live:
             return
