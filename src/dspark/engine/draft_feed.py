@@ -11,7 +11,8 @@ SmolLM2-135M (five 576-wide fp32 layers), 800 for a 4096-wide bf16 target — an
 has KV positions, i.e. at most 25 % on top of its KV cache for SmolLM2-135M. The bound was 64 rows, then 256: under
 load the async scheduler drafts only for its probes, so a request's prompt (often longer than 256 tokens) was fed
 at once and then mostly never drafted from (drafter share of async's step time at C = 8 on the dev CPU: 1.1 % →
-see README "Serving, session 11"); rows of a request that finishes before the drafter next runs are dropped unfed.
+0.6 %, results/serving-s11-probe → serving-s11-final); rows of a request that finishes before the drafter next runs
+are dropped unfed.
 Feeding order and content are unchanged, so the drafter's context is the same as with eager feeding.
 """
 from __future__ import annotations
