@@ -3,7 +3,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dspark.decoding import SamplingError, SamplingParams, sample_from, to_probs, verify, verify_greedy
+from dspark.decoding import SamplingError, SamplingParams, draw_uniforms, sample_from, to_probs, verify, verify_greedy
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -90,3 +90,37 @@ def test_rejection_draws_replacement_from_residual():
     # u·q = 0.6 >= p = 0.5 rejects token 1; the residual max(0, p − q) is all on token 0.
     res = verify(torch.tensor([[1]]), q, p, torch.tensor([1]), torch.tensor([[0.6, 0.99]], dtype=torch.float64))
     assert res.accepted.tolist() == [0] and res.next_token.tolist() == [0]
+
+
+def test_batched_verification_equals_per_request_reference():
+    """verify_requests (buffers as wide as the longest block, greedy by per-request argmax) against each request
+    verified alone with full γ + 1 buffers, the slow reference: same tokens, same generator states after."""
+    from dspark.decoding.batch import verify_requests
+
+    gamma, vocab, g = 5, 11, torch.Generator().manual_seed(0)
+    lengths = torch.tensor([0, 3, 1, 0, 2, 3])
+    params = [SamplingParams(temperature=0 if r % 3 == 0 else 0.8, top_k=0 if r % 2 else 6) for r in range(6)]
+    logits = [torch.randn(int(n) + 1, vocab, generator=g) * 3 for n in lengths]
+    drafts = torch.randint(0, vocab, (6, gamma), generator=g)
+    for r, n in enumerate(lengths):  # make some drafts the target's argmax, so greedy rows accept a few
+        drafts[r, : int(n) // 2 + 1] = logits[r][: int(n) // 2 + 1].argmax(-1)[: gamma]
+    q = torch.softmax(torch.randn(6, gamma, vocab, generator=g), -1)
+    stop = torch.zeros(6, gamma, dtype=torch.bool)
+    stop[4, 0] = True
+    gens = [torch.Generator().manual_seed(10 + r) for r in range(6)]
+    got = verify_requests(logits, drafts, lengths, q, params, gens, stop)
+    for r in range(6):
+        full = torch.zeros(1, gamma + 1, vocab)
+        n = int(lengths[r])
+        if params[r].greedy:
+            full[0, : n + 1] = logits[r]
+            want = verify_greedy(drafts[r:r + 1], full, lengths[r:r + 1], stop[r:r + 1])
+        else:
+            full[0, : n + 1] = to_probs(logits[r], params[r])
+            ref_gen = torch.Generator().manual_seed(10 + r)
+            u = draw_uniforms([ref_gen], lengths[r:r + 1], gamma)
+            want = verify(drafts[r:r + 1], q[r:r + 1], full, lengths[r:r + 1], u, stop[r:r + 1])
+            assert torch.equal(gens[r].get_state(), ref_gen.get_state())
+        assert (int(got.accepted[r]), int(got.next_token[r]), bool(got.stopped[r])) == \
+            (int(want.accepted[0]), int(want.next_token[0]), bool(want.stopped[0])), r
+    assert int(got.accepted.sum()) > 0 and bool(got.stopped[4])

@@ -106,8 +106,14 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_d
 
     draft_tokens: [R, γ]; target_logits: [R, γ+1, V]; num_draft: [R].
     """
+    return accept_greedy(draft_tokens, target_logits.argmax(-1), num_draft, stop_ids)
+
+
+def accept_greedy(draft_tokens: torch.Tensor, best: torch.Tensor, num_draft: torch.Tensor,
+                  stop_ids: torch.Tensor | None = None) -> VerifyResult:
+    """`verify_greedy` given the target's argmax tokens best: [R, γ+1] (callers holding ragged logits take each
+    request's argmax without first copying them into one padded [R, γ+1, V] buffer)."""
     R, gamma = draft_tokens.shape
-    best = target_logits.argmax(-1)  # [R, γ+1]
     slots = torch.arange(gamma)
     ok = (best[:, :gamma] == draft_tokens) & (slots < num_draft.unsqueeze(1))
     accepted = ok.long().cumprod(-1).sum(-1)
