@@ -4,6 +4,7 @@
     .venv/bin/python scripts/engine_step_times.py --concurrency 4 --seconds 90 --confidence
     .venv/bin/python scripts/engine_step_times.py --concurrency 1 --seconds 75 --async-decisions
     .venv/bin/python scripts/engine_step_times.py --concurrency 1 --seconds 75 --async-decisions async-online
+    .venv/bin/python scripts/engine_step_times.py --concurrency 32 --seconds 25 --profile none
 
 Closed-loop clients on the `bench serve` prompt mix, one engine per fixed policy stepped in turn. For every
 decode-only step (no prefill in it) it records B (tokens in the forward) and the step's wall, forward and
@@ -12,12 +13,15 @@ count — the check that found the profile's missing per-request price. `--confi
 compares the calibrated confidences of every fully verified round with what was accepted (over-confidence on
 the live workload makes the scheduler over-draft). `--async-decisions` runs the async scheduler and counts its
 steps by kind (drafter skipped, K > 0 from old confidences, probe / Algorithm 1) with the drafts each verified
-and how many of those were accepted.
+and how many of those were accepted. `--profile POLICY` runs that policy's engine under cProfile (after 15 s of
+warm-up) and prints the functions with the most time of their own and the engine's commit phase.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import pstats
 import time
 
 import numpy as np
@@ -110,6 +114,21 @@ def async_decisions(loop: ClosedLoop, seconds: float) -> None:
           f"verified drafts ({100 * st.num_accepted_tokens / max(1, st.num_draft_tokens):.1f} %)")
 
 
+def profile_engine(loop: ClosedLoop, seconds: float) -> None:
+    t_end = time.time() + 15
+    while time.time() < t_end:
+        loop.tick()
+    prof = cProfile.Profile()
+    prof.enable()
+    t_end = time.time() + seconds
+    while time.time() < t_end:
+        loop.tick()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(15)
+    stats.sort_stats("cumulative").print_stats("_commit_decoding|verify_requests|plan_step|_feed_drafter")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=1)
@@ -119,9 +138,10 @@ def main() -> None:
     ap.add_argument("--confidence", action="store_true", help="fixed-7: confidences vs acceptance")
     ap.add_argument("--async-decisions", nargs="?", const="async", default=None, metavar="POLICY",
                     help="an async scheduler (default async): steps by kind of decision")
+    ap.add_argument("--profile", default=None, metavar="POLICY", help="cProfile this policy's engine")
     args = ap.parse_args()
     policies = (("fixed-7",) if args.confidence else (args.async_decisions,) if args.async_decisions
-                else tuple(args.policies.split(",")))
+                else (args.profile,) if args.profile else tuple(args.policies.split(",")))
     cfg = ServeBenchConfig(drafter=args.drafter, policies=policies, concurrency=(args.concurrency,),
                            max_new_tokens=64)
     loaded, drafter, prompts, params, engines = setup(cfg)
@@ -131,6 +151,9 @@ def main() -> None:
         return
     if args.async_decisions:
         async_decisions(loops[args.async_decisions], args.seconds)
+        return
+    if args.profile:
+        profile_engine(loops[args.profile], args.seconds)
         return
     profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id), drafter=drafter)
     step_times(loops, args.seconds, profile)
