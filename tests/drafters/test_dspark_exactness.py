@@ -164,6 +164,17 @@ def _record_depths(drafter) -> list:
     return depths
 
 
+def assert_engine_greedy_equals_plain(engine, target) -> list:
+    """Three ragged prompts through the engine at T = 0, each equal to plain greedy decoding; returns the requests."""
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [5, 17, 33, 2, 9], [40, 41]]
+    reqs = [engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    for prompt, req in zip(prompts, reqs):
+        assert req.error is None and req.output == plain_greedy(target, prompt, 32)
+    return reqs
+
+
 def test_engine_greedy_with_shallow_async_drafting_equals_plain():
     from dspark.engine.engine import Engine, EngineConfig
     from dspark.scheduling.registry import make_policy
@@ -173,12 +184,7 @@ def test_engine_greedy_with_shallow_async_drafting_equals_plain():
     depths = _record_depths(drafter)
     engine = Engine(target, None, drafter, make_policy("async", sps=_depth_priced_profile(5)), (),
                     EngineConfig(gamma=5, max_running=1))  # one request at a time: K stays small
-    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [5, 17, 33, 2, 9], [40, 41]]
-    reqs = [engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)) for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-    for prompt, req in zip(prompts, reqs):
-        assert req.error is None and req.output == plain_greedy(target, prompt, 32)
+    reqs = assert_engine_greedy_equals_plain(engine, target)
     assert any(d is not None and d < 5 for d in depths)  # shallow blocks were drafted and verified
     assert sum(r.accepted for r in reqs) > 0
 
@@ -229,12 +235,7 @@ def test_engine_greedy_with_partial_probes_equals_plain():
     target = tiny_target(seed=4, scale=6.0)
     drafter = tiny_drafter(target, head="markov", block=5)
     engine, shapes = _probing_engine(target, drafter, max_running=3)
-    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [5, 17, 33, 2, 9], [40, 41]]
-    reqs = [engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)) for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-    for prompt, req in zip(prompts, reqs):
-        assert req.error is None and req.output == plain_greedy(target, prompt, 32)
+    reqs = assert_engine_greedy_equals_plain(engine, target)
     assert (1, 3) in shapes and sum(r.accepted for r in reqs) > 0  # one of three drafted, and drafts accepted
 
 
