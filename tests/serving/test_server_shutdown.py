@@ -32,8 +32,10 @@ def test_serve_subcommand_registers_and_checks_arguments():
 
 def test_sigterm_stops_accepting_and_cancels_in_flight_work_by_the_deadline():
     port = free_port()
+    # Deadline 0.2 s, signalled once the stream has begun: the 1,000-token request takes ~1 s on the tiny model,
+    # so it is still running at the deadline (signalling after a fixed 1 s raced its completion on a fast machine).
     proc = subprocess.Popen([sys.executable, "-m", "dspark.serving", "--model", str(tiny_model_dir()), "--port",
-                             str(port), "--shutdown-deadline", "1", "--log-level", "warning"],
+                             str(port), "--shutdown-deadline", "0.2", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -49,16 +51,21 @@ def test_sigterm_stops_accepting_and_cancels_in_flight_work_by_the_deadline():
             body = {"prompt": "Go on", "max_tokens": 1000, "ignore_eos": True, "stream": True}
             req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode())
             with urllib.request.urlopen(req, timeout=60) as r:
-                events.extend(line.decode().strip() for line in r if line.strip())
+                for line in r:
+                    if line.strip():
+                        events.append(line.decode().strip())
         reader = threading.Thread(target=stream)
         reader.start()
-        time.sleep(1.0)
+        for _ in range(200):  # until the first streamed chunk: the request is in flight
+            if events:
+                break
+            time.sleep(0.05)
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
         elapsed = time.monotonic() - start
         reader.join(10)
-        assert elapsed < 6, f"shutdown took {elapsed:.1f} s with a 1 s deadline"
+        assert elapsed < 6, f"shutdown took {elapsed:.1f} s with a 0.2 s deadline"
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
         with pytest.raises(OSError):  # no longer listening
