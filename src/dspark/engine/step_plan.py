@@ -77,8 +77,8 @@ def _rows_to_draft(decoding: list[Request], policy, backlog) -> list[int] | None
     want = policy.requests_to_draft(len(decoding)) if hasattr(policy, "requests_to_draft") else len(decoding)
     if want >= len(decoding):
         return None
-    cost = [backlog(r) if backlog is not None else 0 for r in decoding]
-    return sorted(sorted(range(len(decoding)), key=lambda i: cost[i])[:want])
+    cost = backlog or (lambda r: 0)
+    return sorted(sorted(range(len(decoding)), key=lambda i: cost(decoding[i]))[:want])
 
 
 def _widen(proposal, rows: list[int] | None, n: int):

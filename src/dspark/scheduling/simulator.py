@@ -2,8 +2,9 @@
 
 Each step every running request replays a random recorded round (confidences c [γ], accepted count n_acc), the
 policy picks ℓ for all of them at once, request r emits min(n_acc_r, ℓ_r) + 1 tokens, and the clock advances by
-step_s(B = R + sum ℓ, R requests) + draft_s(R), the drafting cost being skipped on steps where the policy's
-``prepare`` says the drafter need not run (plain decoding; the async scheduler at K = 0). Requests join and leave
+step_s(B = R + sum ℓ, R requests) + draft_s(R'), R' the requests drafted (all, or fewer on an async probe), the
+drafting cost being skipped on steps where the policy's ``prepare`` says the drafter need not run (plain decoding;
+the async scheduler at K = 0). Requests join and leave
 between steps, with no batch-size cap. With ``prompt_tokens`` > 0 a new request first spends steps in prefill: its
 prompt rides in the same forward as the decoding requests (at most ``prefill_chunk`` prompt tokens per step, as the
 engine does), adding to B, and its first token comes out of the step that finishes the prompt. Everything is
