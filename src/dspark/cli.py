@@ -208,6 +208,10 @@ def run_profile(args) -> int:
     if prof.tokens_per_segment:
         print(f"# measured with {prof.tokens_per_segment} tokens per request; one more request at a fixed B costs "
               f"{prof.segment_seconds * 1000:.2f} ms")
+    if prof.grid_seconds:  # what the scheduler reads when it knows R
+        print("requests\t" + "\t".join(f"ms, {k} token(s) each" for k in prof.grid_tokens))
+        for r, row in zip(prof.grid_requests, prof.grid_seconds):
+            print(f"{r}\t" + "\t".join(f"{s * 1000:.1f}" for s in row))
     if prof.draft_requests:
         shallow = prof.shallow_draft_seconds or (None,) * len(prof.draft_requests)
         print(f"requests\tdraft ms/step (depth {prof.draft_depth or 'full'})" + ("\tat depth 1" if shallow[0] else ""))

@@ -136,12 +136,67 @@ def test_cache_round_trip(tmp_path):
     back = load_cached_profile(path, KEY)
     assert back == PROF
     assert back.step_s(40) == PROF.step_s(40)
-    assert json.loads(path.read_text())["version"] == 3
+    assert json.loads(path.read_text())["version"] == 4
     deep = SpeedProfile(PROF.tokens, PROF.seconds, PROF.draft_requests, PROF.draft_seconds, key=KEY,
                         shallow_draft_seconds=(0.01, 0.05), draft_depth=7)
     assert load_cached_profile(save_profile(deep, tmp_path / "deep.json"), KEY) == deep
     seg = SpeedProfile((1, 8), (0.02, 0.04), segment_seconds=0.003, tokens_per_segment=4, key=KEY)
     assert load_cached_profile(save_profile(seg, tmp_path / "seg.json"), KEY) == seg
+    assert load_cached_profile(save_profile(GRID, tmp_path / "grid.json"), KEY) == GRID
+
+
+# 1 or 4 requests verifying 1, 2 or 4 tokens each; the table says 1 s per step whatever B, so any price that is
+# not 1 s comes from the grid.
+GRID = SpeedProfile((1, 16), (1.0, 1.0), grid_requests=(1, 4), grid_tokens=(1, 2, 4), key=KEY,
+                    grid_seconds=((0.010, 0.012, 0.016), (0.013, 0.020, 0.030)))
+
+
+def test_grid_prices_requests_and_tokens_per_request():
+    assert GRID.step_s(4, n_requests=4) == pytest.approx(0.013)  # plain decoding of 4 requests, as measured
+    assert GRID.step_s(16, n_requests=4) == pytest.approx(0.030)
+    assert GRID.step_s(12, n_requests=4) == pytest.approx(0.025)  # k = 3: half way between k = 2 and 4
+    assert GRID.step_s(2, n_requests=2) == pytest.approx(0.011)  # R = 2: a third of the way from R = 1 to 4
+    assert GRID.step_s(8, n_requests=1) == pytest.approx(0.024)  # k = 8: the last k slope continues
+    assert GRID.step_s(8, n_requests=8) == pytest.approx(0.017)  # R = 8: the last R slope continues
+    assert GRID.step_s(1, n_requests=4) == pytest.approx(0.013)  # fewer tokens than requests: plain decoding
+    assert GRID.step_s(4) == pytest.approx(1.0)  # without R: the table
+    np.testing.assert_allclose(GRID.step_s(np.array([4, 8, 16]), n_requests=4), [0.013, 0.020, 0.030])
+    assert isinstance(GRID.step_s(6, n_requests=2), float)
+    falling = SpeedProfile((1,), (1.0,), grid_requests=(1,), grid_tokens=(1, 2), grid_seconds=((0.02, 0.01),))
+    assert falling.step_s(4, n_requests=1) == pytest.approx(0.01)  # a falling last slope is not extrapolated
+
+
+@pytest.mark.parametrize("grid, match", [
+    (dict(grid_requests=(1, 2), grid_tokens=(1,), grid_seconds=((0.1,),)), "2 rows"),
+    (dict(grid_requests=(2, 1), grid_tokens=(1,), grid_seconds=((0.1,), (0.1,))), "increasing"),
+    (dict(grid_requests=(1,), grid_tokens=(1,), grid_seconds=((0.0,),)), "> 0"),
+    (dict(grid_requests=(1,), grid_tokens=(1, 2), grid_seconds=((0.1,),)), "1 rows of 2")])
+def test_invalid_grids(grid, match):
+    with pytest.raises(ValueError, match=match):
+        SpeedProfile((1,), (0.1,), **grid)
+
+
+def test_measure_profile_times_the_grid_interleaved_with_the_table():
+    now, order = [0.0], []
+
+    def timer():
+        return now[0]
+
+    def step(b):
+        order.append(("table", b))
+        now[0] += 1e-3 * b
+
+    def grid(r, k):
+        order.append(("grid", r, k))
+        now[0] += 1e-3 * (10 * r + k)
+
+    prof = measure_profile(step, [1, 4], repeats=2, warmup=0, grid_fn=grid, grid_requests=[2, 1],
+                           grid_tokens=[4, 1], timer=timer)
+    assert prof.seconds == pytest.approx((1e-3, 4e-3))
+    assert prof.grid_requests == (1, 2) and prof.grid_tokens == (1, 4)
+    np.testing.assert_allclose(prof.grid_seconds, [[11e-3, 14e-3], [21e-3, 24e-3]])
+    one_round = [("table", 1), ("table", 4), ("grid", 1, 1), ("grid", 1, 4), ("grid", 2, 1), ("grid", 2, 4)]
+    assert order == one_round * 2
 
 
 def test_drafting_cost_is_linear_in_depth_between_the_two_tables():

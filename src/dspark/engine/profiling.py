@@ -1,7 +1,8 @@
 """Measure this machine's speed profile SPS(B) for a target, and cache it (scheduling/profile.py keys it).
 
 A step over B tokens is timed the way the engine will run it: B tokens spread over several requests, each
-with a warm 256-token context, so per-request attention overhead is part of the price of a token.
+with a warm 256-token context, so per-request attention overhead is part of the price of a token. The grid times
+the steps the scheduler compares directly: R requests of k tokens each (k = 1: plain decoding).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ PROFILE_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROFILE_REQUESTS = (1, 2, 4, 8, 16, 32)  # drafting cost: one propose() for R requests
 CONTEXT = 256
 TOKENS_PER_REQUEST = 4  # a typical steady-state request verifies its anchor plus a few drafts
+GRID_TOKENS = (1, 2, 4, 8)  # tokens per request in the (R, k) grid: plain, and 1, 3 or 7 drafts (γ = 7)
 
 
 def _split(b: int) -> list[int]:
@@ -27,23 +29,45 @@ def _split(b: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(requests)]
 
 
-def target_step_fn(model: Transformer, one_segment: bool = False):
-    """step_fn(B): one verify forward over B tokens (TOKENS_PER_REQUEST per request, or all in one request),
-    caches pre-filled and rolled back after each call."""
+def _warm_caches(model: Transformer):
+    """caches(n): n KV caches holding the same CONTEXT-token prefix (prefilled once, then copied)."""
     caches: list = []
 
-    def step(b: int) -> None:
-        parts = [b] if one_segment else _split(b)
-        while len(caches) < len(parts):
-            cache = model.new_cache(CONTEXT + 128)
-            model.forward(torch.arange(CONTEXT) % model.config.vocab_size, [Segment(cache, 0, CONTEXT)])
-            caches.append(cache)
-        segments = [Segment(c, CONTEXT, n) for c, n in zip(caches, parts)]
-        model.forward(torch.zeros(b, dtype=torch.long), segments)
-        for c in caches[: len(parts)]:
+    def get(n: int) -> list:
+        while len(caches) < n:
+            if not caches:
+                cache = model.new_cache(CONTEXT + 128)
+                model.forward(torch.arange(CONTEXT) % model.config.vocab_size, [Segment(cache, 0, CONTEXT)])
+                caches.append(cache)
+            else:
+                caches.append(caches[0].clone())
+        return caches[:n]
+
+    return get
+
+
+def _step_fn(model: Transformer, caches):
+    """run(parts): one forward with request i verifying parts[i] tokens, caches rolled back afterwards."""
+    def run(parts: list[int]) -> None:
+        used = caches(len(parts))
+        model.forward(torch.zeros(sum(parts), dtype=torch.long), [Segment(c, CONTEXT, n) for c, n in zip(used, parts)])
+        for c in used:
             c.truncate(CONTEXT)
 
-    return step
+    return run
+
+
+def target_step_fn(model: Transformer, one_segment: bool = False, caches=None):
+    """step_fn(B): one verify forward over B tokens (TOKENS_PER_REQUEST per request, or all in one request),
+    caches pre-filled and rolled back after each call."""
+    run = _step_fn(model, caches or _warm_caches(model))
+    return lambda b: run([b] if one_segment else _split(b))
+
+
+def grid_step_fn(model: Transformer, caches=None):
+    """grid_fn(R, k): one forward of R requests verifying k tokens each."""
+    run = _step_fn(model, caches or _warm_caches(model))
+    return lambda r, k: run([k] * r)
 
 
 def drafter_step_fn(model: Transformer, drafter, depth: int | None = None):
@@ -95,9 +119,11 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
         extra = {} if drafter is None else {"draft_fn": drafter_step_fn(model, drafter),
                                             "shallow_draft_fn": drafter_step_fn(model, drafter, depth=1),
                                             "draft_depth": drafter.gamma, "request_counts": PROFILE_REQUESTS}
-        return measure_profile(target_step_fn(model), PROFILE_TOKENS, repeats=repeats, key=key,
-                               one_segment_fn=target_step_fn(model, one_segment=True),
-                               tokens_per_segment=TOKENS_PER_REQUEST, **extra)
+        caches = _warm_caches(model)
+        return measure_profile(target_step_fn(model, caches=caches), PROFILE_TOKENS, repeats=repeats, key=key,
+                               one_segment_fn=target_step_fn(model, one_segment=True, caches=caches),
+                               tokens_per_segment=TOKENS_PER_REQUEST, grid_fn=grid_step_fn(model, caches),
+                               grid_requests=PROFILE_REQUESTS, grid_tokens=GRID_TOKENS, **extra)
 
     path = profile_path(key)
     if force and path.exists():

@@ -5,6 +5,8 @@ accepted prefix: `truncate(start + accepted + 1)`. Nothing is copied; later writ
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -41,6 +43,12 @@ class KVCache:
         k[:, :, : self.length] = self.k[:, :, : self.length]
         v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v = k, v
+
+    def clone(self) -> KVCache:
+        """An independent copy: same contents, length and capacity."""
+        other = copy.copy(self)
+        other.k, other.v = self.k.clone(), self.v.clone()
+        return other
 
     def begin_write(self, start: int, count: int) -> None:
         """Claim positions start..start+count-1; anything at or after `start` is discarded."""

@@ -18,10 +18,16 @@ Conventions
     knows R: step(B, R) = table(B) + segment_seconds · (R − segments(B)), segments(B) = max(1, B // tps). Without
     it the scheduler at R = 1 overprices an 8-token block by ~20 % and at R = 16 overprices each verified token
     by ~50 % (the table's slope mixes the price of tokens with that of more requests).
+  * Better still, a *grid* measures the steps the scheduler actually compares: R requests verifying k tokens
+    each (k = 1 is plain decoding). With it step(B, R) interpolates the grid at (R, k = B / R) — linear in R,
+    then in k, linear above both (slopes clamped at >= 0). The per-request model above priced R one-token requests
+    15-20 % too high on the dev CPU (the native attention kernel makes a one-token request nearly free), i.e. it
+    made plain decoding look dearer than it is and speculation cheaper.
 """
 
 from __future__ import annotations
 
+import functools
 import platform
 import time
 from dataclasses import dataclass, field
@@ -110,6 +116,10 @@ class SpeedProfile:
     # draft_requests[i], the full table being measured at depth ``draft_depth`` (γ); empty: depth not priced.
     shallow_draft_seconds: tuple[float, ...] = ()
     draft_depth: int = 0
+    # Measured grid: grid_seconds[i][j] = one step of grid_requests[i] requests verifying grid_tokens[j] tokens each.
+    grid_requests: tuple[int, ...] = ()  # [Gr]
+    grid_tokens: tuple[int, ...] = ()  # [Gk]
+    grid_seconds: tuple[tuple[float, ...], ...] = ()  # [Gr][Gk]
     # Cached numpy views, so sps() on a hot path does not rebuild arrays each call.
     _t: np.ndarray = field(init=False, repr=False, compare=False)
     _s: np.ndarray = field(init=False, repr=False, compare=False)
@@ -133,12 +143,44 @@ class SpeedProfile:
         if not (np.isfinite(self.segment_seconds) and self.segment_seconds >= 0) or self.tokens_per_segment < 0:
             raise ValueError(f"segment_seconds must be finite and >= 0 and tokens_per_segment >= 0, got "
                              f"{self.segment_seconds!r}, {self.tokens_per_segment!r}")
+        self._check_grid()
         object.__setattr__(self, "_t", np.asarray(self.tokens, dtype=np.float64))
         object.__setattr__(self, "_s", np.asarray(self.seconds, dtype=np.float64))
 
+    def _check_grid(self) -> None:
+        grid = tuple(tuple(float(x) for x in row) for row in self.grid_seconds)
+        object.__setattr__(self, "grid_seconds", grid)
+        if not (self.grid_requests or self.grid_tokens or grid):
+            return
+        _check_table(self.grid_requests, [1.0] * len(self.grid_requests), "grid requests")
+        _check_table(self.grid_tokens, [1.0] * len(self.grid_tokens), "grid tokens per request")
+        if len(grid) != len(self.grid_requests) or any(len(row) != len(self.grid_tokens) for row in grid):
+            raise ValueError(f"grid_seconds must be {len(self.grid_requests)} rows of {len(self.grid_tokens)} values")
+        for row in grid:
+            _check_table(self.grid_tokens, row, "grid seconds")
+
+    def _grid_step_s(self, n_tokens, n_requests):
+        rs, ks = np.asarray(self.grid_requests, dtype=np.float64), np.asarray(self.grid_tokens, dtype=np.float64)
+        s = np.asarray(self.grid_seconds, dtype=np.float64)  # [Gr, Gk]
+        r = np.maximum(np.asarray(n_requests, dtype=np.float64), 1.0)
+        r, k = np.broadcast_arrays(r, np.maximum(np.asarray(n_tokens, dtype=np.float64) / r, 1.0))
+        by_k = np.stack([np.asarray(_interp(r, rs, s[:, j], True)) for j in range(ks.size)], axis=-1)  # [..., Gk]
+        if ks.size == 1:
+            t = by_k[..., 0]
+        else:
+            hi = np.clip(np.searchsorted(ks, k, side="right"), 1, ks.size - 1)  # upper bracket of k
+            y0 = np.take_along_axis(by_k, (hi - 1)[..., None], -1)[..., 0]
+            y1 = np.take_along_axis(by_k, hi[..., None], -1)[..., 0]
+            w = (k - ks[hi - 1]) / (ks[hi] - ks[hi - 1])
+            t = np.where(w > 1, y1 + (w - 1) * np.maximum(y1 - y0, 0.0), y0 + w * (y1 - y0))
+        t = np.maximum(t, s.min())  # never cheaper than the cheapest step measured
+        return float(t) if np.ndim(t) == 0 else t
+
     def step_s(self, n_tokens, n_requests=None):
         """Seconds of one verify step over B tokens (scalar or array [n]), shared by ``n_requests`` requests when
-        given (else by as many as the table was measured with)."""
+        given (else by as many as the table was measured with); from the grid when there is one."""
+        if n_requests is not None and self.grid_seconds:
+            return self._grid_step_s(n_tokens, n_requests)
         t = _interp(n_tokens, self._t, self._s, self.extrapolate == "linear")
         if n_requests is None or not self.segment_seconds or not self.tokens_per_segment:
             return t
@@ -188,6 +230,9 @@ def measure_profile(
     request_counts: Iterable[int] = (),
     one_segment_fn: Callable[[int], object] | None = None,
     tokens_per_segment: int = 0,
+    grid_fn: Callable[[int, int], object] | None = None,
+    grid_requests: Iterable[int] = (),
+    grid_tokens: Iterable[int] = (),
     key: ProfileKey | None = None,
     timer: Callable[[], float] = time.perf_counter,
 ) -> SpeedProfile:
@@ -203,6 +248,8 @@ def measure_profile(
     uses, the largest B is timed both ways too, giving ``segment_seconds``: what one more request costs.
     With ``shallow_draft_fn`` (one drafting step at depth 1) and the full depth ``draft_depth`` of ``draft_fn``,
     drafting is timed at both depths (interleaved like the rest), so the scheduler can price shallow drafting.
+    With ``grid_fn(R, k)`` (R requests verifying k tokens each) every ``grid_requests`` × ``grid_tokens`` pair is
+    timed too, interleaved with the table, giving the grid ``step_s`` prefers.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -222,7 +269,13 @@ def measure_profile(
     tokens = sorted({int(b) for b in token_counts})
     segments = max(1, tokens[-1] // tokens_per_segment) if tokens_per_segment else 1
     split_both = one_segment_fn is not None and segments > 1
-    seconds = median_times([(step_fn, b) for b in tokens] + ([(one_segment_fn, tokens[-1])] if split_both else []))
+    g_req = sorted({int(r) for r in grid_requests}) if grid_fn is not None else []
+    g_tok = sorted({int(k) for k in grid_tokens}) if g_req else []
+    grid_jobs = [(functools.partial(grid_fn, r), k) for r in g_req for k in g_tok]
+    seconds = median_times([(step_fn, b) for b in tokens] + ([(one_segment_fn, tokens[-1])] if split_both else [])
+                           + grid_jobs)
+    grid_flat = [seconds.pop(len(tokens) + split_both) for _ in grid_jobs]
+    grid = tuple(tuple(grid_flat[i * len(g_tok):(i + 1) * len(g_tok)]) for i in range(len(g_req)))
     one_request = seconds.pop() if split_both else 0.0
     seg_s = max(0.0, (seconds[-1] - one_request) / (segments - 1)) if split_both else 0.0
     reqs: list[int] = sorted({int(r) for r in request_counts}) if draft_fn is not None else []
@@ -232,4 +285,5 @@ def measure_profile(
     dsec, shallow_sec = dsec[:len(reqs)], dsec[len(reqs):]
     return SpeedProfile(tuple(tokens), tuple(seconds), tuple(reqs), tuple(dsec), key=key, source="measured",
                         segment_seconds=seg_s, tokens_per_segment=tokens_per_segment if split_both else 0,
-                        shallow_draft_seconds=tuple(shallow_sec), draft_depth=draft_depth if shallow else 0)
+                        shallow_draft_seconds=tuple(shallow_sec), draft_depth=draft_depth if shallow else 0,
+                        grid_requests=tuple(g_req), grid_tokens=tuple(g_tok), grid_seconds=grid)

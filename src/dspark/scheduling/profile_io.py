@@ -22,7 +22,8 @@ from ._jsonio import FileFormatError, check_header, read_json, write_json_atomic
 from .profile import ProfileKey, SpeedProfile
 
 FORMAT = "dspark.speed_profile"
-VERSION = 3  # 2: segment_seconds / tokens_per_segment; 3: shallow_draft_seconds / draft_depth (older: re-measured)
+VERSION = 4  # 2: segment_seconds / tokens_per_segment; 3: shallow_draft_seconds / draft_depth; 4: the (R, k)
+# grid (older: re-measured)
 
 
 class ProfileFormatError(FileFormatError):
@@ -44,6 +45,9 @@ def profile_to_dict(p: SpeedProfile) -> dict:
         "tokens_per_segment": p.tokens_per_segment,
         "shallow_draft_seconds": list(p.shallow_draft_seconds),
         "draft_depth": p.draft_depth,
+        "grid_requests": list(p.grid_requests),
+        "grid_tokens": list(p.grid_tokens),
+        "grid_seconds": [list(row) for row in p.grid_seconds],
     }
 
 
@@ -63,6 +67,9 @@ def profile_from_dict(obj: dict, path: str | os.PathLike = "<dict>") -> SpeedPro
             tokens_per_segment=int(obj.get("tokens_per_segment", 0)),
             shallow_draft_seconds=tuple(obj.get("shallow_draft_seconds", ())),
             draft_depth=int(obj.get("draft_depth", 0)),
+            grid_requests=tuple(obj.get("grid_requests", ())),
+            grid_tokens=tuple(obj.get("grid_tokens", ())),
+            grid_seconds=tuple(tuple(row) for row in obj.get("grid_seconds", ())),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ProfileFormatError(f"{path}: invalid speed profile: {e}") from e
