@@ -22,6 +22,7 @@ import argparse
 import collections
 import cProfile
 import pstats
+import random
 import time
 
 import numpy as np
@@ -34,9 +35,9 @@ from dspark.engine.profiling import load_or_profile, profile_key
 def step_times(loops: dict, seconds: float, profile) -> None:
     rec = {n: collections.defaultdict(list) for n in loops}
     prefill = {n: np.zeros(3) for n in loops}  # steps with a prompt chunk in them: count, step s, drafter s
-    t_end = time.time() + seconds
-    while time.time() < t_end:
-        for name, loop in loops.items():
+    t_end, order = time.time() + seconds, random.Random(0)
+    while time.time() < t_end:  # shuffled each round, as `bench serve` does: a step after a drafting one is slower
+        for name, loop in order.sample(list(loops.items()), len(loops)):
             s = loop.engine.stats
             before = (s.steps, s.step_seconds_total, s.forward_seconds_total, s.drafter_seconds_total)
             loop.tick()

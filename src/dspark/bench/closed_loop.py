@@ -6,7 +6,11 @@ finished requests). So several loops — one per policy — can be stepped in tu
 throughput and per-user speed. Stepping them in turn is what makes policies comparable on a noisy machine: on
 the 2-core dev VM a fixed forward switches between speed modes up to 20 % apart for seconds at a time
 (`dspark bench serve --sequential` runs each cell alone, as before), and round-robin steps ~0.1 s apart put
-every policy in the same modes in the same proportion.
+every policy in the same modes in the same proportion. The order of each round is shuffled (seeded): in a fixed
+order a loop always runs right after the same neighbour, and a step that follows a drafting policy's step is
+slower (the drafter's working set evicted the target's): on the dev CPU the policy stepped after fixed-3 lost
+~2 % at C = 4 to that alone (`scripts/engine_step_times.py --concurrency 4 --seconds 80 --policies
+none,mtp1,fixed-3,async`, then the order `async,mtp1,fixed-3,none`: async / none 0.972 → 0.999).
 
 Output lengths vary (`length_spread`): request i of every loop may produce up to round(L·u_i) tokens, u_i uniform
 in [1 − s, 1 + s] from one fixed seed, so every policy serves the same (prompt, length) sequence. With one fixed
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 import time
 
 import numpy as np
@@ -107,15 +112,17 @@ class ClosedLoop:
                 "drafter_fraction": (s.drafter_seconds_total - drafter_s0) / step_s if step_s else 0.0}
 
 
-def run_loops(loops: list[ClosedLoop], seconds: float, warmup: float = 0.0) -> list[dict]:
-    """Step the loops in turn until each has measured `seconds` of its own time.
+def run_loops(loops: list[ClosedLoop], seconds: float, warmup: float = 0.0, seed: int = 0) -> list[dict]:
+    """Step the loops in turn, in a shuffled order each round, until each has measured `seconds` of its own time.
 
     With `warmup` > 0 each loop first runs until every client's first request has finished (at most `warmup` of
     its own seconds) and only then measures: otherwise a cell at high concurrency measures the start-up wave (all
     prefills at once, no request finished) instead of the steady state."""
+    order = random.Random(seed)
+
     def rotate(busy) -> None:
         while any(busy(loop) for loop in loops):
-            for loop in loops:
+            for loop in order.sample(loops, len(loops)):
                 if busy(loop):
                     loop.tick()
 
