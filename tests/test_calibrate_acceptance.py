@@ -321,3 +321,28 @@ def test_interleaved_loops_keep_their_own_clocks_and_outputs(tiny):
     assert len(reference) == len(prompts)
     assert cells[1]["tau"] > 1.0 and cells[0]["tau"] == 1.0
     assert all(not e.running and e.kv_reserved == 0 for e in engines)
+
+
+def test_request_budget_runs_the_same_requests_for_every_policy(tiny, monkeypatch):
+    """With a request budget each loop sends exactly the same first N requests, lets them drain and stops; at
+    T = 0 every policy then produces the same tokens, so the cells compare time on identical work."""
+    from dspark.bench.closed_loop import ClosedLoop, run_loops
+    from dspark.decoding import SamplingParams
+    from dspark.engine.engine import Engine, EngineConfig
+    from dspark.scheduling.registry import make_policy
+
+    root, loaded, paths, _ = tiny
+    drafter = make_drafter(str(paths["dspark"]), target=loaded.model)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    loops = [ClosedLoop(Engine(loaded.model, None, d, make_policy(p), (), EngineConfig(gamma=4)), prompts, 2,
+                        params, length_spread=0.5, limit=5)
+             for p, d in (("none", None), ("fixed-4", drafter))]
+    results = run_loops(loops, seconds=None)
+    assert [r["finished_requests"] for r in results] == [5, 5]
+    assert all(not loop.live and loop.sent == 5 for loop in loops)
+    outputs = [sorted((tuple(r.prompt), tuple(r.output)) for r, _ in loop.done) for loop in loops]
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 5
+    assert results[0]["throughput_tok_s"] > 0
+    with pytest.raises(ValueError, match="request budget"):
+        run_loops([ClosedLoop(loops[0].engine, prompts, 1, params)], seconds=None)

@@ -42,3 +42,4 @@ def test_every_loop_follows_every_other_about_equally_often():
     again: list[str] = []
     run_loops([FakeLoop(n, again) for n in ("none", "mtp1", "fixed-3", "async")], seconds=400)
     assert again == log  # seeded: the same order every run
+

@@ -102,6 +102,10 @@ def add_bench(sub) -> None:
     s.add_argument("--length-spread", type=float, default=0.5,
                    help="request i may produce up to max-new-tokens × u_i, u_i uniform in [1 - s, 1 + s] from a fixed "
                         "seed (the same sequence for every policy); 0: one length for all")
+    s.add_argument("--requests-per-client", type=int, default=0,
+                   help="> 0: each cell is the same first C × N requests of the mix for every policy, run until all "
+                        "have finished (start-up and drain included; --seconds and --warmup unused): every policy "
+                        "does the same work, so paired ratios are not moved by which prompts fit in a time window")
     s.add_argument("--sequential", action="store_true",
                    help="run each policy's cell alone, one after another (default: step every policy's clients in "
                         "turn, each timed on its own clock, so machine speed drift hits all policies alike)")
@@ -158,7 +162,8 @@ def run_bench_serve(args) -> int:
                          concurrency=tuple(int(c) for c in args.concurrency.split(",")),
                          max_new_tokens=args.max_new_tokens, seconds_per_cell=args.seconds, repeats=args.repeats,
                          warmup_s=args.warmup, temperature=args.temperature, out=args.out, traces=args.traces,
-                         sequential=args.sequential, length_spread=args.length_spread))
+                         sequential=args.sequential, length_spread=args.length_spread,
+                         requests_per_client=args.requests_per_client))
     return 0
 
 

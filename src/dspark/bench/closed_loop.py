@@ -18,6 +18,13 @@ length the clients of plain decoding stay in lockstep forever — all finish in 
 prompts share one prefill forward — while any policy that accepts a draft now and then drifts out of step and
 pays for several smaller prefills (on the dev CPU that alone cost async 4–5 % against none at C = 4). Real
 traffic is not in lockstep.
+
+A time budget (`run_loops(..., seconds)`) measures each loop's steady state, but a slower loop gets through fewer
+requests than a faster one, so two policies are compared on different slices of a mix whose prompts differ in
+length several-fold, and which prompts fall in a 12 s window is luck (async / none at C = 8 read 0.98, 0.82 and
+0.98 in three repeats of one run, results/serving-s12-grid). With a request budget (`limit`: every loop sends the same first `limit` requests, then lets its clients
+drain; `seconds=None`) every policy does the same work — at T = 0 the same tokens — start-up wave and drain
+included, and the ratio of their throughputs is the ratio of their times.
 """
 from __future__ import annotations
 
@@ -35,16 +42,19 @@ from .common import median
 
 class ClosedLoop:
     def __init__(self, engine: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams,
-                 length_spread: float = 0.0, seed: int = 0):
+                 length_spread: float = 0.0, seed: int = 0, limit: int | None = None):
         if not 0 <= length_spread < 1:
             raise ValueError(f"length_spread must be in [0, 1), got {length_spread}")
+        if limit is not None and limit < 1:
+            raise ValueError(f"a request budget must be >= 1, got {limit}")
+        self.limit, self.sent = limit, 0  # requests to send in all (None: no end), and sent so far
         self.engine, self.params, self.concurrency = engine, params, concurrency
         self.feed = itertools.cycle(prompts)  # every loop sends the same prompts in the same order
         self.spread, self.lengths = length_spread, np.random.default_rng(seed)  # ... with the same length limits
         self.clock = 0.0  # seconds this loop has spent stepping its engine
         self.arrival: dict[str, float] = {}  # request id -> clock at submission
         self.done: list[tuple] = []  # (request, clock at finish) since `start_measuring`
-        self.live = [self._submit() for _ in range(concurrency)]
+        self.live = [self._submit() for _ in range(min(concurrency, limit or concurrency))]
         self.first_wave = {r.request_id for r in self.live}
         self.start_measuring()
 
@@ -54,16 +64,21 @@ class ClosedLoop:
             u = self.lengths.uniform(1 - self.spread, 1 + self.spread)
             params = dataclasses.replace(params, max_new_tokens=max(1, round(params.max_new_tokens * u)))
         req = self.engine.add_request(next(self.feed), params)
+        self.sent += 1
         self.arrival[req.request_id] = self.clock
         return req
 
     def tick(self) -> None:
-        """One engine step; finished requests are replaced at once (their clients send the next prompt)."""
+        """One engine step; finished requests are replaced at once (their clients send the next prompt) until the
+        request budget is spent."""
         t0 = time.perf_counter()
         self.engine.step()
         finished = [(i, req) for i, req in enumerate(self.live) if req.finished]
-        for i, _ in finished:
-            self.live[i] = self._submit()
+        for i, _ in reversed(finished):
+            if self.limit is None or self.sent < self.limit:
+                self.live[i] = self._submit()
+            else:
+                del self.live[i]
         self.clock += time.perf_counter() - t0
         self.done.extend((req, self.clock) for _, req in finished)
 
@@ -112,8 +127,9 @@ class ClosedLoop:
                 "drafter_fraction": (s.drafter_seconds_total - drafter_s0) / step_s if step_s else 0.0}
 
 
-def run_loops(loops: list[ClosedLoop], seconds: float, warmup: float = 0.0, seed: int = 0) -> list[dict]:
-    """Step the loops in turn, in a shuffled order each round, until each has measured `seconds` of its own time.
+def run_loops(loops: list[ClosedLoop], seconds: float | None, warmup: float = 0.0, seed: int = 0) -> list[dict]:
+    """Step the loops in turn, in a shuffled order each round, until each has measured `seconds` of its own time
+    (None: until each has finished its request budget; no warm-up then).
 
     With `warmup` > 0 each loop first runs until every client's first request has finished (at most `warmup` of
     its own seconds) and only then measures: otherwise a cell at high concurrency measures the start-up wave (all
@@ -126,6 +142,11 @@ def run_loops(loops: list[ClosedLoop], seconds: float, warmup: float = 0.0, seed
                 if busy(loop):
                     loop.tick()
 
+    if seconds is None:
+        if any(loop.limit is None for loop in loops):
+            raise ValueError("without a time budget every loop needs a request budget (limit)")
+        rotate(lambda loop: bool(loop.live))
+        return [loop.finish() for loop in loops]
     if warmup > 0:
         rotate(lambda loop: loop.clock < warmup and not loop.first_wave_finished)
         for loop in loops:
@@ -135,6 +156,7 @@ def run_loops(loops: list[ClosedLoop], seconds: float, warmup: float = 0.0, seed
 
 
 def run_cell(engine: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams,
-             seconds: float, warmup: float = 0.0, length_spread: float = 0.0) -> dict:
+             seconds: float | None, warmup: float = 0.0, length_spread: float = 0.0, limit: int | None = None) -> dict:
     """One policy alone: a single closed loop on `engine`."""
-    return run_loops([ClosedLoop(engine, prompts, concurrency, params, length_spread)], seconds, warmup)[0]
+    return run_loops([ClosedLoop(engine, prompts, concurrency, params, length_spread, limit=limit)], seconds,
+                     warmup)[0]

@@ -42,10 +42,13 @@ class ServeBenchConfig:
     traces: Path | None = None  # acceptance traces of this drafter: also simulate each cell (see `simulated`)
     sequential: bool = False  # run each policy's cell alone instead of stepping all policies' loops in turn
     length_spread: float = 0.5  # request i may produce up to max_new_tokens · u_i, u_i ~ U[1 − s, 1 + s] (seeded)
+    requests_per_client: int = 0  # > 0: each cell is the same C × this many requests for every policy, not a time
 
     def __post_init__(self):
         if not 0 <= self.length_spread < 1:
             raise ValueError(f"bench serve needs 0 <= length spread < 1, got {self.length_spread}")
+        if self.requests_per_client < 0:
+            raise ValueError(f"bench serve needs requests per client >= 0, got {self.requests_per_client}")
         if self.repeats < 1 or self.seconds_per_cell <= 0 or self.warmup_s < 0 or not self.policies \
                 or not self.concurrency or min(self.concurrency) < 1:
             raise ValueError("bench serve needs repeats >= 1, seconds > 0, warmup >= 0, at least one policy and "
@@ -110,9 +113,11 @@ def run(cfg: ServeBenchConfig) -> dict:
     sim = cfg.traces is not None
     md = (f"# Serving benchmark ({cfg.model}, drafter {cfg.drafter}, T={cfg.temperature:g}, "
           f"{cfg.max_new_tokens} ± {100 * cfg.length_spread:g} % new tokens per request, "
-          f"{cfg.seconds_per_cell:g} s per cell"
+          + (f"the same {cfg.requests_per_client} × C requests per cell for every policy"
+             if cfg.requests_per_client else f"{cfg.seconds_per_cell:g} s per cell")
           + (", cells one after another" if cfg.sequential else ", policies stepped in turn")
-          + (f" after up to {cfg.warmup_s:g} s of warm-up (first wave)" if cfg.warmup_s else "")
+          + (f" after up to {cfg.warmup_s:g} s of warm-up (first wave)" if cfg.warmup_s and not cfg.requests_per_client
+             else "")
           + f", {cfg.repeats} repeat(s), "
           f"medians)\n\n"
           + markdown_table(["policy", "C", "tok/s", "tok/s range", "per-user tok/s", "verify budget", "tau",
@@ -153,11 +158,14 @@ def measure(engines: dict[str, Engine], prompts, concurrency: int, params: Sampl
             cfg: ServeBenchConfig):
     """(policy, cell) for every engine at this concurrency: all policies' closed loops stepped in turn (each
     timed on its own clock), or one after another with `cfg.sequential`."""
+    limit = cfg.requests_per_client * concurrency or None
+    seconds = None if limit else cfg.seconds_per_cell
     if cfg.sequential:
-        return [(name, run_cell(engine, prompts, concurrency, params, cfg.seconds_per_cell, cfg.warmup_s,
-                                cfg.length_spread)) for name, engine in engines.items()]
-    loops = [ClosedLoop(engine, prompts, concurrency, params, cfg.length_spread) for engine in engines.values()]
-    return list(zip(engines, run_loops(loops, cfg.seconds_per_cell, cfg.warmup_s)))
+        return [(name, run_cell(engine, prompts, concurrency, params, seconds, cfg.warmup_s, cfg.length_spread,
+                                limit)) for name, engine in engines.items()]
+    loops = [ClosedLoop(engine, prompts, concurrency, params, cfg.length_spread, limit=limit)
+             for engine in engines.values()]
+    return list(zip(engines, run_loops(loops, seconds, cfg.warmup_s)))
 
 
 def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_tokens: int) -> None:
