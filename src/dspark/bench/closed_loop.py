@@ -22,9 +22,10 @@ traffic is not in lockstep.
 A time budget (`run_loops(..., seconds)`) measures each loop's steady state, but a slower loop gets through fewer
 requests than a faster one, so two policies are compared on different slices of a mix whose prompts differ in
 length several-fold, and which prompts fall in a 12 s window is luck (async / none at C = 8 read 0.98, 0.82 and
-0.98 in three repeats of one run, results/serving-s12-grid). With a request budget (`limit`: every loop sends the same first `limit` requests, then lets its clients
-drain; `seconds=None`) every policy does the same work — at T = 0 the same tokens — start-up wave and drain
-included, and the ratio of their throughputs is the ratio of their times.
+0.98 in three repeats of one run, results/serving-s12-grid). With a request budget (`limit`: every loop sends the
+same first `limit` requests, then lets its clients drain; `seconds=None`) every policy does the same work — at
+T = 0 the same tokens — start-up wave and drain included, and the ratio of their throughputs is the ratio of
+their times.
 """
 from __future__ import annotations
 

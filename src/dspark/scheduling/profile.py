@@ -21,8 +21,8 @@ Conventions
   * Better still, a *grid* measures the steps the scheduler actually compares: R requests verifying k tokens
     each (k = 1 is plain decoding). With it step(B, R) interpolates the grid at (R, k = B / R) — linear in R,
     then in k, linear above both (slopes clamped at >= 0). The per-request model above priced R one-token requests
-    15-20 % too high on the dev CPU (the native attention kernel makes a one-token request nearly free), i.e. it
-    made plain decoding look dearer than it is and speculation cheaper.
+    18-21 % too high on the dev CPU at R = 4 and 16 (the native attention kernel makes a one-token request nearly
+    free), i.e. it made plain decoding look dearer than it is and speculation cheaper.
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ class SpeedProfile:
     # Cached numpy views, so sps() on a hot path does not rebuild arrays each call.
     _t: np.ndarray = field(init=False, repr=False, compare=False)
     _s: np.ndarray = field(init=False, repr=False, compare=False)
+    _grid: tuple = field(init=False, repr=False, compare=False)  # (requests [Gr], tokens [Gk], seconds [Gr, Gk])
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
@@ -150,6 +151,10 @@ class SpeedProfile:
     def _check_grid(self) -> None:
         grid = tuple(tuple(float(x) for x in row) for row in self.grid_seconds)
         object.__setattr__(self, "grid_seconds", grid)
+        object.__setattr__(self, "grid_requests", tuple(int(r) for r in self.grid_requests))
+        object.__setattr__(self, "grid_tokens", tuple(int(k) for k in self.grid_tokens))
+        object.__setattr__(self, "_grid", tuple(np.asarray(x, dtype=np.float64)
+                                                for x in (self.grid_requests, self.grid_tokens, grid)))
         if not (self.grid_requests or self.grid_tokens or grid):
             return
         _check_table(self.grid_requests, [1.0] * len(self.grid_requests), "grid requests")
@@ -160,8 +165,7 @@ class SpeedProfile:
             _check_table(self.grid_tokens, row, "grid seconds")
 
     def _grid_step_s(self, n_tokens, n_requests):
-        rs, ks = np.asarray(self.grid_requests, dtype=np.float64), np.asarray(self.grid_tokens, dtype=np.float64)
-        s = np.asarray(self.grid_seconds, dtype=np.float64)  # [Gr, Gk]
+        rs, ks, s = self._grid  # [Gr], [Gk], [Gr, Gk]
         r = np.maximum(np.asarray(n_requests, dtype=np.float64), 1.0)
         r, k = np.broadcast_arrays(r, np.maximum(np.asarray(n_tokens, dtype=np.float64) / r, 1.0))
         by_k = np.stack([np.asarray(_interp(r, rs, s[:, j], True)) for j in range(ks.size)], axis=-1)  # [..., Gk]
