@@ -451,3 +451,17 @@ def test_async_does_not_draft_for_a_gain_inside_the_margin():
     assert AsyncPolicy(sps).min_gain == 0.03
     with pytest.raises(ValueError, match="min_gain"):
         AsyncPolicy(sps, min_gain=1.5)
+
+
+def test_policy_options_follow_the_name():
+    from dspark.scheduling.profile import SpeedProfile
+    from dspark.scheduling.registry import make_policy
+
+    sps = SpeedProfile((1, 8), (0.01, 0.02))
+    pol = make_policy("async:min_gain=0.01:probe_every=16", sps=sps)
+    assert pol.min_gain == 0.01 and pol.probe_every == 16 and isinstance(pol.probe_every, int)
+    assert make_policy("threshold:threshold=0.7").threshold == 0.7
+    for bad, match in [("async:min_gain", "name=number"), ("async:min_gain=x", "name=number"),
+                       ("async:=1", "name=number"), ("async:bogus=1", "bogus")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            make_policy(bad, sps=sps)

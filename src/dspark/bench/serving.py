@@ -105,7 +105,7 @@ def run(cfg: ServeBenchConfig) -> dict:
         simulated(cfg, loaded, drafter, cells, prompt_tokens=round(sum(map(len, prompts)) / len(prompts)))
     matched = per_user_at_matched_throughput(cells) if "mtp1" in cfg.policies else []
     paired = paired_ratios(runs) if "async" in cfg.policies else []
-    variants = {v: paired_ratios(runs, v) for v in ASYNC_VARIANTS if v in cfg.policies}  # paired columns
+    variants = {v: paired_ratios(runs, v) for v in cfg.policies if is_async_variant(v)}  # paired columns
     data = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
             "machine": machine_info(), "cells": cells, "per_user_vs_mtp1_at_matched_throughput": matched,
             "async_paired_ratios": paired,
@@ -214,7 +214,9 @@ def median_cells(runs: list[dict]) -> list[dict]:
     return cells
 
 
-ASYNC_VARIANTS = ("async-online",)  # async schedulers reported beside the default in the paired table
+def is_async_variant(policy: str) -> bool:
+    """Async schedulers reported beside the default in the paired table: async-online, async:<options>."""
+    return policy != "async" and policy.startswith("async")
 
 
 def paired_ratios(runs: list[dict], policy: str = "async") -> list[dict]:

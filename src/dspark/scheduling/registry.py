@@ -43,7 +43,10 @@ POLICIES: dict[str, tuple[Callable[..., object], bool, str]] = {
 def make_policy(name: str, *, confidence_available: bool = True, **kwargs):
     """Build a policy by name. ``sync``/``async`` need ``sps=``; ``fixed`` takes ``k=``; ``threshold`` takes
     ``threshold=``. ``confidence_available=False`` (drafter without a confidence head) rejects policies that need
-    confidences up front instead of at the first step."""
+    confidences up front instead of at the first step. Options may follow the name, ``async:min_gain=0.01:
+    probe_every=16`` (numbers; unknown names are refused), so a variant can be served or benchmarked by name."""
+    name, options = _split_options(name)
+    kwargs = {**kwargs, **options}
     m = re.fullmatch(r"fixed-(\d+)", name)
     if m:
         name, kwargs = "fixed", {**kwargs, "k": int(m.group(1))}
@@ -61,3 +64,19 @@ def make_policy(name: str, *, confidence_available: bool = True, **kwargs):
         return factory(**kwargs)
     except TypeError as e:
         raise TypeError(f"bad arguments for policy {name!r}: {e}") from e
+
+
+def _split_options(spec: str) -> tuple[str, dict[str, float | int]]:
+    """"async:min_gain=0.01:probe_every=16" -> ("async", {"min_gain": 0.01, "probe_every": 16})."""
+    name, *parts = spec.split(":")
+    options: dict[str, float | int] = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        try:
+            if not (sep and key.isidentifier()):
+                raise ValueError
+            options[key] = int(value) if re.fullmatch(r"[+-]?\d+", value) else float(value)
+        except ValueError:
+            raise ValueError(f"bad policy option {part!r} in {spec!r}: expected name=number, e.g. "
+                             "async:min_gain=0.01") from None
+    return name, options
