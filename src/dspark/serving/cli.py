@@ -18,7 +18,8 @@ def add_serve(sub) -> None:
     p.add_argument("--drafter", default="auto", help="auto (the shipped DSpark drafter for this model, else n-gram), "
                    "dspark, ngram, none, or the path of a trained drafter")
     p.add_argument("--policy", default="auto",
-                   help="verification policy: auto, none, mtp1, fixed-<k>, sync, async, async-online, threshold")
+                   help="verification policy: auto, none, mtp1, fixed-<k>, sync, async, async-online, threshold; "
+                        "options may follow the name, e.g. async:min_gain=0.01")
     p.add_argument("--gamma", type=int, default=7, help="draft block size")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
