@@ -465,3 +465,18 @@ def test_policy_options_follow_the_name():
                        ("async:=1", "name=number"), ("async:bogus=1", "bogus")]:
         with pytest.raises((ValueError, TypeError), match=match):
             make_policy(bad, sps=sps)
+
+
+def test_build_policy_prices_a_policy_spec_by_its_base_name():
+    """`sync:...` / `async:...` get the speed profile and `threshold:...` the default threshold, as the bare names do."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from dspark.engine import llm
+
+    drafter = SimpleNamespace(has_confidence=True, profile_id="d")
+    sps = SpeedProfile((1, 8), (0.01, 0.02))
+    with mock.patch("dspark.engine.profiling.load_or_profile", return_value=sps):
+        pol = llm.build_policy("sync:unsafe=0", drafter, "m", "float32", None, 7)
+    assert pol.sps is sps
+    assert llm.build_policy("threshold:cumulative=1", drafter, "m", "float32", None, 7).threshold == 0.5

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from ..decoding import SamplingParams
 from ..drafters import make_drafter
 from ..models import DEFAULT_MODEL, load_model
-from ..scheduling.registry import make_policy
+from ..scheduling.registry import base_name, make_policy
 from .engine import Engine, EngineConfig
 from .request import Request
 
@@ -29,12 +29,12 @@ def build_policy(name: str, drafter, model_id: str, dtype: str, model, gamma: in
         return make_policy("none")
     if name == "auto":
         name = "async" if has_conf else f"fixed-{gamma}"
-    kwargs = {}
-    if name == "sync" or name.startswith("async"):
+    kwargs, base = {}, base_name(name)
+    if base == "sync" or base.startswith("async"):
         from .profiling import load_or_profile, profile_key
         if has_conf:
             kwargs["sps"] = load_or_profile(model, profile_key(model_id, dtype, drafter.profile_id), drafter=drafter)
-    elif name == "threshold":
+    elif base == "threshold":
         kwargs["threshold"] = threshold
     return make_policy(name, confidence_available=has_conf, **kwargs)
 

@@ -66,6 +66,11 @@ def make_policy(name: str, *, confidence_available: bool = True, **kwargs):
         raise TypeError(f"bad arguments for policy {name!r}: {e}") from e
 
 
+def base_name(spec: str) -> str:
+    """The policy a spec names, without its options ("async:min_gain=0.01" -> "async")."""
+    return spec.split(":", 1)[0]
+
+
 def _split_options(spec: str) -> tuple[str, dict[str, float | int]]:
     """"async:min_gain=0.01:probe_every=16" -> ("async", {"min_gain": 0.01, "probe_every": 16})."""
     name, *parts = spec.split(":")
