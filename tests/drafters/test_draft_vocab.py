@@ -154,7 +154,7 @@ def test_drafting_cost_profile_and_profile_ids():
                            request_counts=(1, 3))
     assert prof.draft_requests == (1, 3) and all(s > 0 for s in prof.draft_seconds)
     full = vocab_drafter(target, list(range(0, 96, 2)), kind="dflash")
-    assert sub.profile_id == "dspark-g4-L1-markov6-v48-conf" and full.profile_id.startswith("dflash-g4-L1-none0-v48")
+    assert sub.profile_id.startswith("dspark-g4-L1-markov6-v48-conf") and full.profile_id.startswith("dflash-g4-L1-none0-v48")
 
 
 def test_saved_drafter_files_are_readable_by_others(tmp_path):

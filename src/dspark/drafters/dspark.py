@@ -26,6 +26,7 @@ from .base import BatchFirstDrafter, DraftRequest, DrafterError, Proposal, regis
 from .dspark_checkpoint import load_calibration, load_drafter_model
 from .dspark_context import DraftContext
 from .dspark_model import DSparkModel
+from .draft_kernels import attach as attach_kernels
 from .frozen_target import inference_head
 
 STATE_KEY = "dspark.context"
@@ -49,12 +50,14 @@ class DSparkDrafter(BatchFirstDrafter):
         self.has_confidence = model.confidence is not None
         self.name = model.arch.drafter_type
         self.draft_logits = inference_head(model, target)  # h [..., d] -> fp32 logits [..., Vd]
+        # the target's CPU kernels for the drafter's own projections too (draft_kernels.py)
+        self.kernels = attach_kernels(model, packed=target.lm_head.packed is not None, native=target.lm_head.native)
 
     @property
     def profile_id(self) -> str:
         a = self.model.arch
         return (f"{a.drafter_type}-g{self.gamma}-L{a.num_layers}-{a.head}{a.rank}-v{self.model.draft_vocab_size}"
-                f"{'-conf' if a.confidence else ''}")
+                f"{'-conf' if a.confidence else ''}{'-k' if self.kernels else ''}")  # kernels change its price
 
     # ------------------------------------------------------------------------------------------------
     def context(self, request: DraftRequest) -> DraftContext:

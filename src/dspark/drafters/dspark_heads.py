@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .draft_kernels import linear
+
 HEAD_TYPES = ("markov", "rnn", "none")
 
 
@@ -36,7 +38,7 @@ class MarkovHead(nn.Module):
 
     def step(self, state, prev: torch.Tensor, h: torch.Tensor):
         """prev: [...]; h: [..., d] -> (state, bias [..., Vd])."""
-        return state, self.w2(self.w1(prev))
+        return state, linear(self, "w2", self.w1(prev))
 
     def block_bias(self, prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Teacher-forced biases of a whole block. prev: [..., γ]; h: [..., γ, d] -> [..., γ, V]."""
@@ -74,7 +76,7 @@ class RNNHead(nn.Module):
         g, c, o = self.joint(z).chunk(3, dim=-1)
         gate = torch.sigmoid(g)
         state = gate * state + (1 - gate) * torch.tanh(c)
-        return state, self.w2(torch.tanh(o))
+        return state, linear(self, "w2", torch.tanh(o))
 
     def block_bias(self, prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         state = self.init_state(prev.shape[:-1], h)

@@ -22,6 +22,7 @@ from ..models.layers import RotaryTable, apply_rotary
 from ..models.transformer import Transformer
 from .dspark_attention import block_attention
 from .dspark_heads import ConfidenceHead, make_sequential_head
+from .draft_kernels import linear
 from .frozen_target import DraftVocabMixin, FrozenTarget
 
 
@@ -94,8 +95,12 @@ class DraftLayer(nn.Module):
 
         No input norm: the fused features are already RMS-normalised (as in DeepSpec)."""
         n, q_dim, kv_dim = feats.shape[0], self.heads * self.head_dim, self.kv_heads * self.head_dim
-        bias = None if self.qkv.bias is None else self.qkv.bias[q_dim:]
-        k, v = F.linear(feats, self.qkv.weight[q_dim:], bias).split([kv_dim, kv_dim], dim=-1)
+        fast = self.__dict__.get("fast_linears", {}).get("kv")  # draft_kernels.attach: the k, v rows of qkv
+        if fast is not None:
+            kv = fast(feats)
+        else:
+            kv = F.linear(feats, self.qkv.weight[q_dim:], None if self.qkv.bias is None else self.qkv.bias[q_dim:])
+        k, v = kv.split([kv_dim, kv_dim], dim=-1)
         k, v = k.view(n, self.kv_heads, self.head_dim), v.view(n, self.kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
@@ -105,7 +110,7 @@ class DraftLayer(nn.Module):
         """x: [G, A, γ, d]; rope: cos/sin [G·A·γ, 1, hd]; kc, vc: [G, T, kvH, hd]; ctx_visible: [G, A, T]."""
         G, A, S, d = x.shape
         h = self.attn_norm(x).reshape(-1, d)
-        q, k, v = self.qkv(h).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+        q, k, v = linear(self, "qkv", h).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
                                      self.kv_heads * self.head_dim], dim=-1)
         q, k, v = (t.reshape(G * A * S, -1, self.head_dim) for t in (q, k, v))
         if self.q_norm is not None:
@@ -113,12 +118,12 @@ class DraftLayer(nn.Module):
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         shape = (G, A, S, -1, self.head_dim)
         out = block_attention(q.view(shape), k.view(shape), v.view(shape), kc, vc, ctx_visible, self.scale)
-        h = self.o(out.reshape(G, A, S, -1))
+        h = linear(self, "o", out.reshape(G, A, S, -1))
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
-        gate, up = self.gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
-        h = self.down(self.act(gate) * up)
+        gate, up = linear(self, "gate_up", self.ffn_norm(x)).chunk(2, dim=-1)
+        h = linear(self, "down", self.act(gate) * up)
         if self.post_ffn_norm is not None:
             h = self.post_ffn_norm(h)
         return x + h
@@ -173,7 +178,7 @@ class DSparkModel(DraftVocabMixin, nn.Module):
 
     def fuse_features(self, layer_states: torch.Tensor) -> torch.Tensor:
         """layer_states: [N, m, d] (the captured target layers, in layer_ids order) -> [N, d]."""
-        return self.fuse_norm(self.fuse(layer_states.flatten(1).to(self.fuse.weight.dtype)))
+        return self.fuse_norm(linear(self, "fuse", layer_states.flatten(1).to(self.fuse.weight.dtype)))
 
     def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """feats: [N, d] fused; positions: [N] -> per draft layer (k, v) [N, kvH, hd]."""
