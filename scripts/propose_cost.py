@@ -2,64 +2,111 @@
 
     .venv/bin/python scripts/propose_cost.py --requests 32 --repeats 5
     .venv/bin/python scripts/propose_cost.py --requests 1 --repeats 9 --depths 1,2,3,4,7 --temperatures 0
+    .venv/bin/python scripts/propose_cost.py --requests 1,4,16 --repeats 25 --depths 4,7 --ab-kernels \
+        --after-target-step --out results/drafter-kernels
 
 Greedy batches carry no full-vocabulary distributions (point masses); `depth` is what a fixed-K policy asks for.
+`--ab-kernels` times each proposal with the drafter's inference kernels (drafters/draft_kernels.py) and with its
+reference nn.Linear products, in a shuffled order within one process. `--after-target-step` runs a one-token
+target forward before every proposal, as an engine step does, so the drafter's weights are no longer in cache
+(a proposal repeated back to back reads them warm and looks cheaper than it is in the engine).
 """
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+from dspark.bench.common import machine_info, markdown_table, write_results
 from dspark.decoding import SamplingParams, make_generator
-from dspark.drafters import make_drafter
+from dspark.drafters import draft_kernels, make_drafter
 from dspark.drafters.base import DraftRequest
 from dspark.models import load_model
 from dspark.models.transformer import Segment
+
+
+def observed_requests(model, drafter, n: int, temperature: float) -> list[DraftRequest]:
+    """n requests with contexts of 150, 160, ... tokens, observed once."""
+    torch.manual_seed(0)
+    reqs = []
+    for r in range(n):
+        length = 150 + 10 * r
+        ids = torch.randint(0, 1000, (length,))
+        out = model.forward(ids, [Segment(model.new_cache(length + 8), 0, length)],
+                            logit_rows=torch.tensor([length - 1]), hidden_layers=drafter.needs_layers)
+        req = DraftRequest(tokens=ids.tolist() + [5], params=SamplingParams(temperature=temperature),
+                           generator=make_generator(r))
+        drafter.observe(req, out.hidden, length)
+        reqs.append(req)
+    return reqs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--drafter", default="dspark")
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", default="32", help="comma-separated request counts")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--depths", default="7,3,1", help="comma-separated draft depths")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
+    ap.add_argument("--ab-kernels", action="store_true", help="kernels on vs the reference products, interleaved")
+    ap.add_argument("--after-target-step", action="store_true", help="a one-token target forward before each")
+    ap.add_argument("--out", type=Path, default=None, help="write propose_cost.json / .md here")
     args = ap.parse_args()
     model = load_model(args.model, dtype="float32").model
     drafter = make_drafter(args.drafter, target=model, gamma=7)
-    torch.manual_seed(0)
-    contexts = []
-    for r in range(args.requests):  # contexts of 150, 160, ... tokens, observed once
-        n = 150 + 10 * r
-        ids = torch.randint(0, 1000, (n,))
-        out = model.forward(ids, [Segment(model.new_cache(n + 8), 0, n)], logit_rows=torch.tensor([n - 1]),
-                            hidden_layers=drafter.needs_layers)
-        contexts.append((ids.tolist(), out.hidden))
+    attached = {m: m.__dict__["fast_linears"] for m in drafter.model.modules() if "fast_linears" in m.__dict__}
+    modes = ("kernels", "reference") if args.ab_kernels else ("kernels" if attached else "reference",)
+    if args.ab_kernels and not attached:
+        raise SystemExit("--ab-kernels: this drafter has no inference kernels attached (DSPARK_NATIVE=0 or no oneDNN)")
+    cache, rng, rows = model.new_cache(64), random.Random(0), []
 
-    def requests(temperature: float) -> list[DraftRequest]:
-        reqs = []
-        for i, (ids, hidden) in enumerate(contexts):
-            req = DraftRequest(tokens=ids + [5], params=SamplingParams(temperature=temperature),
-                               generator=make_generator(i))
-            drafter.observe(req, hidden, len(ids))
-            reqs.append(req)
-        return reqs
+    def set_mode(mode: str) -> None:
+        for module, fast in attached.items():
+            if mode == "kernels":
+                module.__dict__["fast_linears"] = fast
+            else:
+                module.__dict__.pop("fast_linears", None)
 
     for temperature in map(float, args.temperatures.split(",")):
-        reqs = requests(temperature)
-        for depth in map(int, args.depths.split(",")):
-            drafter.propose(reqs, depth=depth)  # warm-up
-            times = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                drafter.propose(reqs, depth=depth)
-                times.append((time.perf_counter() - t0) * 1000)
-            print(f"T = {temperature:g}  depth {depth}  {args.requests} requests: median {statistics.median(times):6.1f} ms "
-                  f"({torch.get_num_threads()} threads)")
+        for n in map(int, args.requests.split(",")):
+            reqs = observed_requests(model, drafter, n, temperature)
+            cells = [(mode, depth) for mode in modes for depth in map(int, args.depths.split(","))]
+            times: dict = {cell: [] for cell in cells}
+            for rep in range(args.repeats + 1):  # the first round warms up
+                for mode, depth in rng.sample(cells, len(cells)):
+                    set_mode(mode)
+                    if args.after_target_step:
+                        cache.truncate(0)
+                        model.forward(torch.tensor([5]), [Segment(cache, 0, 1)])
+                    t0 = time.perf_counter()
+                    drafter.propose(reqs, depth=depth)
+                    if rep:
+                        times[(mode, depth)].append((time.perf_counter() - t0) * 1000)
+            set_mode("kernels")
+            for mode, depth in cells:
+                ms = statistics.median(times[(mode, depth)])
+                rows.append({"temperature": temperature, "requests": n, "depth": depth, "mode": mode, "median_ms": ms})
+                print(f"T = {temperature:g}  depth {depth}  {n} requests  {mode:9s}: median {ms:6.2f} ms "
+                      f"({torch.get_num_threads()} threads)", flush=True)
+    if args.out is not None:
+        write_results(args.out, "propose_cost", {"machine": machine_info(), "args": vars(args) | {"out": str(args.out)},
+                                                 "rows": rows}, _markdown(rows, args))
+
+
+def _markdown(rows: list[dict], args) -> str:
+    by = {(r["temperature"], r["requests"], r["depth"], r["mode"]): r["median_ms"] for r in rows}
+    keys = sorted({k[:3] for k in by})
+    table = [[t, n, d, by.get((t, n, d, "kernels"), "–"), by.get((t, n, d, "reference"), "–"),
+              by[(t, n, d, "reference")] / by[(t, n, d, "kernels")] if (t, n, d, "reference") in by
+              and (t, n, d, "kernels") in by else "–"] for t, n, d in keys]
+    cold = "after a one-token target step (weights cold)" if args.after_target_step else "back to back (weights warm)"
+    return (f"# propose() cost, median ms over {args.repeats} repeats, {cold}\n\n"
+            + markdown_table(["T", "requests", "depth", "kernels", "reference", "reference / kernels"], table) + "\n")
 
 
 if __name__ == "__main__":

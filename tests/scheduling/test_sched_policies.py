@@ -480,3 +480,56 @@ def test_build_policy_prices_a_policy_spec_by_its_base_name():
         pol = llm.build_policy("sync:unsafe=0", drafter, "m", "float32", None, 7)
     assert pol.sps is sps
     assert llm.build_policy("threshold:cumulative=1", drafter, "m", "float32", None, 7).threshold == 0.5
+
+
+def _two_level_sps(b):
+    """One token per step at 1 step/s, any speculation at 1/1.4: a one-slot draft pays iff c > 0.4 and beats
+    plain decoding by 10 % iff c > 0.54."""
+    return np.where(np.asarray(b) >= 2, 1 / 1.4, 1.0)
+
+
+def _run(pol, confidences):
+    """Step `pol` once per [1, 1] confidence (used only where the policy drafts) -> K of each step."""
+    ks = []
+    for c in confidences:
+        drafts = pol.prepare(1)
+        ks.append(pol.last_capacity)
+        pol.select(np.array([[c]]) if drafts else None, n_requests=1)
+    return ks
+
+
+def test_async_policy_keeps_drafting_while_it_pays_and_enters_only_past_the_margin():
+    strong, mid = 0.9, 0.5  # mid: pays (1.5 / 1.4 = 1.07) but under the 10 % margin
+    hyst = AsyncPolicy(_two_level_sps, min_gain=0.1, pool_requests=1)
+    plain = AsyncPolicy(_two_level_sps, min_gain=0.1, pool_requests=1, stay_gain=0.1)
+    # steps 0-1 have no old history (Algorithm 1); K at steps 2-3 comes from the strong steps 0-1
+    assert _run(hyst, [strong, strong, mid, mid, mid, mid]) == [None, None, 1, 1, 1, 1]
+    assert _run(plain, [strong, strong, mid, mid, mid, mid]) == [None, None, 1, 1, 0, 0]
+    fresh = AsyncPolicy(_two_level_sps, min_gain=0.1, pool_requests=1)  # not drafting: mid does not start a run
+    assert _run(fresh, [mid, mid, mid, mid]) == [None, None, 0, 0]
+
+
+def test_async_policy_looks_again_soon_after_a_drafting_run_ends():
+    weak = 0.1
+    pol = AsyncPolicy(_two_level_sps, min_gain=0.1, pool_requests=1, probe_every=8, reprobe_every=2)
+    ks = _run(pol, [0.9, 0.9] + [weak] * 14)
+    # K = 1 from the strong steps, the weak steps 2-3 end the run at step 4; probes after 2 skipped steps, then 4, 8
+    assert ks == [None, None, 1, 1, 0, 0, None, 0, 0, 0, 0, None, 0, 0, 0, 0]
+    again = AsyncPolicy(_two_level_sps, min_gain=0.1, pool_requests=1, probe_every=8, reprobe_every=8)
+    assert _run(again, [0.9, 0.9] + [weak] * 14).index(None, 2) == 12  # the old rule: a full interval first
+    for bad in ({"reprobe_every": 0}, {"reprobe_every": 128}, {"stay_gain": 0.2}, {"max_age": 1}):
+        with pytest.raises(ValueError):
+            AsyncPolicy(_two_level_sps, min_gain=0.1, **bad)
+
+
+def test_async_policy_does_not_pool_confidences_older_than_max_age():
+    weak, strong = 0.1, 0.9
+
+    def ks(max_age):
+        pol = AsyncPolicy(_two_level_sps, min_gain=0.1, pool_requests=4, probe_every=3, max_age=max_age)
+        # steps 0-1 Algorithm 1 on weak; 2-4 skipped; 5 probes (strong); 6 still prices steps 0-1
+        return _run(pol, [weak] * 5 + [strong] * 3)  # a skipped step ignores its value
+
+    # step 7: pooled with the weak steps 0-1 the probe's row is outvoted (mean 0.37); alone (max_age 4) it is not
+    assert ks(None) == [None, None, 0, 0, 0, None, 0, 0]
+    assert ks(4) == [None, None, 0, 0, 0, None, 0, 1]

@@ -31,8 +31,18 @@ class AsyncPolicy:
     which is lossless on its own.
 
     K > 0 only when its predicted throughput beats plain decoding by more than ``min_gain`` (3 %): the profile
-    prices engine steps only to within 3-11 % on the dev CPU (``scripts/engine_step_times.py``), and a drafting
+    prices engine steps only to within ~3 % on the dev CPU (``scripts/engine_step_times.py``), and a drafting
     decision inside that error is a coin flip that costs the drafter's time either way.
+
+    The two decisions are not symmetric in time, and the policy makes up for it. While it drafts, every step
+    brings new confidences and K is re-priced each step; a K = 0 decision brings none and holds until the next
+    probe. With a one-sided rule a drafting run ended at the first noisy pool under the margin and then paid a
+    whole probe interval plus the lag before it could resume: at C = 2 on the dev CPU, 66 % of the distinct
+    pools priced K > 0 (median predicted gain 10 %) yet only 13 % of the steps drafted, and MTP-1 beat the
+    policy by 7 % (results/serving-s13-kernels-low). Hence hysteresis: once drafting, it keeps drafting while
+    the best K beats plain decoding by more than ``stay_gain`` (default 0: at all), and when a drafting run ends
+    the first probe comes after ``reprobe_every`` skipped steps (default 2), backing off by doubling from there.
+    Both depend only on past decisions and old confidences, so they stay lossless.
 
     K is known before drafting, so only ``draft_depth(γ)`` = min(γ, K + 1) slots are drafted (no request can verify
     more than K; the extra slot's confidence lets the next K grow), and ``async_capacity`` prices each K at that
@@ -44,8 +54,11 @@ class AsyncPolicy:
     token since its last draft — cost a probe 3× a plain step (C = 8 on the dev CPU), ~2 % of all time at one
     probe per 64 steps. Only the probed rows enter the history (pooling weighs steps by their rows).
 
-    K pools the newest old-enough steps until they hold ``pool_requests`` rows (at most ``pool_steps`` steps;
-    see ``async_capacity``): at high load that is the one step lag 2 names, at R = 1 the last 8 drafted steps.
+    K pools the newest old-enough steps until they hold ``pool_requests`` rows (at most ``pool_steps`` steps, none
+    older than ``max_age`` steps unless it is the newest one; see ``async_capacity``): at high load that is the one
+    step lag 2 names, at R = 1 the last 8 drafted steps. The age limit matters after a run of skipped steps: the
+    pool was then mostly the weak steps that ended the last drafting run, one probe row could not outweigh them,
+    and each probe doubled the interval to the next (at C = 2, 850 skipped steps in 60 s with it, 1,969 without).
 
     With ``online_calibration`` (policy ``async-online``) every confidence it uses is first scaled by the ratio of
     accepted to predicted drafts on the verified slots so far (``acceptance_tracker.py``); the engine reports each
@@ -58,13 +71,20 @@ class AsyncPolicy:
 
     def __init__(self, sps: SPS, lag: int = 2, probe_every: int = 8, max_probe_every: int = 64,
                  pool_requests: int = 8, pool_steps: int = 8, online_calibration: bool = False,
-                 min_gain: float = 0.03, probe_requests: int = 1):
+                 min_gain: float = 0.03, probe_requests: int = 1, stay_gain: float | None = 0.0,
+                 reprobe_every: int | None = 2, max_age: int | None = 16):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
             raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {probe_every}, {max_probe_every}")
         if not 0.0 <= min_gain < 1.0:
             raise ValueError(f"min_gain must lie in [0, 1), got {min_gain}")
+        stay_gain = min_gain if stay_gain is None else stay_gain  # None: no hysteresis
+        if not -1.0 < stay_gain <= min_gain:
+            raise ValueError(f"stay_gain must lie in (-1, min_gain = {min_gain}], got {stay_gain}")
+        reprobe_every = probe_every if reprobe_every is None else reprobe_every
+        if not 1 <= reprobe_every <= max_probe_every:
+            raise ValueError(f"need 1 <= reprobe_every <= max_probe_every, got {reprobe_every}, {max_probe_every}")
         if min(pool_requests, pool_steps, probe_requests) < 1:
             raise ValueError(f"pool_requests, pool_steps and probe_requests must be >= 1, got {pool_requests}, "
                              f"{pool_steps}, {probe_requests}")
@@ -72,6 +92,10 @@ class AsyncPolicy:
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.pool_requests, self.pool_steps = pool_requests, pool_steps
         self.min_gain, self.probe_requests = min_gain, probe_requests
+        self.stay_gain, self.reprobe_every = stay_gain, reprobe_every
+        if max_age is not None and max_age < lag:
+            raise ValueError(f"max_age must be >= lag = {lag} (None: no limit), got {max_age}")
+        self.max_age = max_age
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
         self.reset()
@@ -91,9 +115,13 @@ class AsyncPolicy:
 
     def _old_confidences(self) -> tuple[tuple[int, ...], list[np.ndarray]]:
         """(steps, confidences) of the newest steps at least ``lag`` steps before the current one, newest first,
-        until they hold ``pool_requests`` rows (empty: no step is old enough yet)."""
+        until they hold ``pool_requests`` rows; none older than ``max_age`` but the newest (empty: no step is old
+        enough yet)."""
         steps, pool = [], []
+        oldest = -1 if self.max_age is None else self._step - self.max_age
         for step, c in reversed(self._history):
+            if step < oldest and pool:  # too old to pool, unless it is all there is (then K keeps its basis)
+                break
             if step <= self._step - self.lag and len(pool) < self.pool_steps:
                 steps.append(step)
                 pool.append(c)
@@ -107,15 +135,17 @@ class AsyncPolicy:
         if not c_old:
             self.last_capacity = None
         else:
-            key = (pool_steps, n_requests, None if self.tracker is None else self.tracker.ratio)
+            drafting = bool(self.last_capacity)  # the previous step drafted with K > 0: hysteresis
+            margin = self.stay_gain if drafting else self.min_gain
+            key = (pool_steps, n_requests, None if self.tracker is None else self.tracker.ratio, margin)
             if key != self._memo[0]:  # while the drafter is skipped nothing changes: K is reused, not recomputed
                 if self.tracker is not None:
                     c_old = [self.tracker.adjust(c) for c in c_old]
-                self._memo = (key, async_capacity(c_old, self.sps, n_requests=n_requests, min_gain=self.min_gain))
+                self._memo = (key, async_capacity(c_old, self.sps, n_requests=n_requests, min_gain=margin))
             self.last_capacity = self._memo[1]
         self._probing = False
         if self.last_capacity:
-            self._interval = self.probe_every
+            self._interval = self.reprobe_every  # when this run ends, look again soon
         elif self.last_capacity == 0 and self._skipped >= self._interval:
             self.last_capacity = None  # a probe: draft, verify by Algorithm 1, refresh the history
             self._interval = min(2 * self._interval, self.max_probe_every)
