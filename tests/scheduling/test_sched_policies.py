@@ -400,8 +400,8 @@ def test_async_policy_reuses_k_while_its_pool_is_unchanged(monkeypatch):
     import dspark.scheduling.async_policy as ap
 
     calls = []
-    real = ap.async_capacity
-    monkeypatch.setattr(ap, "async_capacity", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = ap.best_capacity
+    monkeypatch.setattr(ap, "best_capacity", lambda *a, **k: calls.append(1) or real(*a, **k))
     prof = SpeedProfile((1, 4, 8), (1.0, 1.25, 1.6), (1, 8), (0.3, 0.3))
     rng = np.random.default_rng(2)
     memo, fresh = AsyncPolicy(prof, probe_every=4), AsyncPolicy(prof, probe_every=4)
@@ -533,3 +533,24 @@ def test_async_policy_does_not_pool_confidences_older_than_max_age():
     # step 7: pooled with the weak steps 0-1 the probe's row is outvoted (mean 0.37); alone (max_age 4) it is not
     assert ks(None) == [None, None, 0, 0, 0, None, 0, 0]
     assert ks(4) == [None, None, 0, 0, 0, None, 0, 1]
+
+
+def test_async_policy_keeps_probing_near_the_threshold_when_a_probe_drafts_everyone():
+    near, far = 0.35, 0.1  # drafting priced at 0.96 and 0.79 of plain decoding
+
+    def drafted(c, n_requests):
+        # plain decoding of R requests at 1 step/s, any drafts at 1/1.4: K = R drafts are priced at 0.96 or 0.79
+        sps = lambda b: np.where(np.asarray(b) > n_requests, 1 / 1.4, 1.0)  # noqa: E731
+        pol = AsyncPolicy(sps, min_gain=0.1, pool_requests=1, probe_every=2, max_probe_every=8)
+        steps = []
+        for step in range(30):
+            if pol.prepare(n_requests):
+                steps.append(step)
+                pol.select(np.full((n_requests, 1), c))
+            else:
+                pol.select(None, n_requests=n_requests)
+        return steps[:6]
+
+    assert drafted(near, 1) == [0, 1, 4, 7, 10, 13]  # a probe is a drafting step: look every 2 skipped steps
+    assert drafted(far, 1) == [0, 1, 4, 9, 18, 27]  # clearly not paying: back off 2, 4, 8
+    assert drafted(near, 3) == [0, 1, 4, 9, 18, 27]  # a probe drafts 2 of 3 requests: it costs, so back off

@@ -7,7 +7,7 @@ from collections import deque
 import numpy as np
 
 from .acceptance_tracker import AcceptanceTracker
-from .policies import SPS, async_capacity, async_schedule, draft_depth_for, sync_prefix_schedule
+from .policies import SPS, async_schedule, best_capacity, draft_depth_for, sync_prefix_schedule
 from .policy_objects import need_confidences
 
 
@@ -37,18 +37,20 @@ class AsyncPolicy:
     The two decisions are not symmetric in time, and the policy makes up for it. While it drafts, every step
     brings new confidences and K is re-priced each step; a K = 0 decision brings none and holds until the next
     probe. With a one-sided rule a drafting run ended at the first noisy pool under the margin and then paid a
-    whole probe interval plus the lag before it could resume: at C = 2 on the dev CPU, 66 % of the distinct
-    pools priced K > 0 (median predicted gain 10 %) yet only 13 % of the steps drafted, and MTP-1 beat the
-    policy by 7 % (results/serving-s13-kernels-low). Hence hysteresis: once drafting, it keeps drafting while
-    the best K beats plain decoding by more than ``stay_gain`` (default 0: at all), and when a drafting run ends
-    the first probe comes after ``reprobe_every`` skipped steps (default 2), backing off by doubling from there.
-    Both depend only on past decisions and old confidences, so they stay lossless.
+    probe interval, doubling with each probe, plus the lag before it could resume: at C = 2 on the dev CPU 66 % of
+    the distinct pools priced K > 0 (median predicted gain 10 %) yet 13 % of the steps drafted, and MTP-1 beat the
+    policy by 7 % (results/serving-s13-kernels-low). Hence: (1) hysteresis — once drafting it keeps drafting while
+    the best K beats plain decoding by more than ``stay_gain`` (default 0: at all); (2) when a drafting run ends
+    the first probe comes after ``reprobe_every`` skipped steps (default 2); (3) a probe that drafts every running
+    request (R <= ``probe_requests``) is an ordinary drafting step verified by Algorithm 1, so while the best K is
+    priced within ``near_loss`` (5 %) of plain decoding such probes keep coming every ``reprobe_every`` steps
+    instead of backing off. All depend only on past decisions and old confidences, so they stay lossless.
 
     K is known before drafting, so only ``draft_depth(γ)`` = min(γ, K + 1) slots are drafted (no request can verify
     more than K; the extra slot's confidence lets the next K grow), and ``async_capacity`` prices each K at that
     depth when the profile has a depth-1 drafting table. Any depth fixed before drafting keeps the output exact.
 
-    A probe drafts only ``probe_requests`` requests (default 1; the engine picks those with the fewest target
+    A probe drafts only ``probe_requests`` requests (default 2; the engine picks those with the fewest target
     states still to feed the drafter), the others verify nothing that step: a probe exists to refresh the
     confidence history, and under load drafting every request — and first feeding each one the states of every
     token since its last draft — cost a probe 3× a plain step (C = 8 on the dev CPU), ~2 % of all time at one
@@ -71,8 +73,8 @@ class AsyncPolicy:
 
     def __init__(self, sps: SPS, lag: int = 2, probe_every: int = 8, max_probe_every: int = 64,
                  pool_requests: int = 8, pool_steps: int = 8, online_calibration: bool = False,
-                 min_gain: float = 0.03, probe_requests: int = 1, stay_gain: float | None = 0.0,
-                 reprobe_every: int | None = 2, max_age: int | None = 16):
+                 min_gain: float = 0.03, probe_requests: int = 2, stay_gain: float | None = 0.0,
+                 reprobe_every: int | None = 2, max_age: int | None = 16, near_loss: float = 0.05):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -96,6 +98,9 @@ class AsyncPolicy:
         if max_age is not None and max_age < lag:
             raise ValueError(f"max_age must be >= lag = {lag} (None: no limit), got {max_age}")
         self.max_age = max_age
+        if not 0.0 <= near_loss < 1.0:
+            raise ValueError(f"near_loss must lie in [0, 1), got {near_loss}")
+        self.near_loss = near_loss
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
         self.reset()
@@ -108,7 +113,7 @@ class AsyncPolicy:
         self._interval = self.probe_every  # skipped steps before the next probe
         self._planned = False
         self._probing = False  # this step is a probe (drafts only `probe_requests` requests)
-        self._memo: tuple = (None, 0)  # (pool steps, R, tracker ratio) and the K they were priced at
+        self._memo: tuple = (None, 0, 1.0)  # (pool steps, R, tracker ratio), the best K they priced, Θ_K / Θ_0
         self.last_capacity: int | None = None  # K of the current/last step (None: Algorithm 1)
         if self.tracker is not None:
             self.tracker.reset()
@@ -132,23 +137,25 @@ class AsyncPolicy:
     def prepare(self, n_requests: int) -> bool:
         """Fix K for the coming step (before drafting); returns whether the drafter should run."""
         pool_steps, c_old = self._old_confidences()
+        ratio = 1.0
         if not c_old:
             self.last_capacity = None
         else:
-            drafting = bool(self.last_capacity)  # the previous step drafted with K > 0: hysteresis
-            margin = self.stay_gain if drafting else self.min_gain
-            key = (pool_steps, n_requests, None if self.tracker is None else self.tracker.ratio, margin)
+            key = (pool_steps, n_requests, None if self.tracker is None else self.tracker.ratio)
             if key != self._memo[0]:  # while the drafter is skipped nothing changes: K is reused, not recomputed
                 if self.tracker is not None:
                     c_old = [self.tracker.adjust(c) for c in c_old]
-                self._memo = (key, async_capacity(c_old, self.sps, n_requests=n_requests, min_gain=margin))
-            self.last_capacity = self._memo[1]
+                self._memo = (key, *best_capacity(c_old, self.sps, n_requests=n_requests))
+            _, best, ratio = self._memo
+            margin = self.stay_gain if self.last_capacity else self.min_gain  # hysteresis: drafting keeps on
+            self.last_capacity = best if ratio > 1.0 + margin else 0
         self._probing = False
         if self.last_capacity:
             self._interval = self.reprobe_every  # when this run ends, look again soon
         elif self.last_capacity == 0 and self._skipped >= self._interval:
             self.last_capacity = None  # a probe: draft, verify by Algorithm 1, refresh the history
-            self._interval = min(2 * self._interval, self.max_probe_every)
+            near = ratio >= 1.0 - self.near_loss and n_requests <= self.probe_requests
+            self._interval = self.reprobe_every if near else min(2 * self._interval, self.max_probe_every)
             self._probing = True
         self._planned = True
         return self.last_capacity != 0

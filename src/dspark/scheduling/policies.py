@@ -168,14 +168,21 @@ def _gains(steps: list[np.ndarray], base: int, pooled: int) -> np.ndarray:
 
 
 def async_capacity(c_old, sps: SPS, *, n_requests: int | None = None, min_gain: float = 0.0) -> int:
+    """Capacity K from earlier steps' confidences: the best K of ``best_capacity`` if it beats plain decoding
+    (K = 0) by more than ``min_gain`` — a margin for the profile's own error, so near-ties do not pay for the
+    drafter on a guess — else 0."""
+    best, ratio = best_capacity(c_old, sps, n_requests=n_requests)
+    return best if ratio > 1.0 + min_gain else 0
+
+
+def best_capacity(c_old, sps: SPS, *, n_requests: int | None = None) -> tuple[int, float]:
     """Capacity K (total drafts to admit) from confidences of earlier steps: argmax over all prefixes of the
-    sorted survivals of Θ (no early stop, so a jagged SPS curve cannot trap the search at a local maximum).
+    sorted survivals of Θ over K >= 1 (no early stop, so a jagged SPS curve cannot trap the search at a local
+    maximum), and Θ_K / Θ_0, its predicted throughput over plain decoding (below 1 when drafting does not pay).
 
     ``c_old`` is one earlier step's confidences [R_old, γ] or a list of several steps' (pooled: below). Lossless
     because K is computed before the current step's tokens exist. ``n_requests`` (the current R, known before
-    drafting) sets the base of τ and B; default: the first array's R_old. ``min_gain``: draft only when the
-    best K is predicted to beat plain decoding (K = 0) by more than this fraction of Θ — a margin for the
-    profile's own error, so near-ties do not pay for the drafter on a guess.
+    drafting) sets the base of τ and B; default: the first array's R_old.
 
     Pooling (``pooled_gains``): the expected top-K survival sum of R requests is the mean over the pooled steps of
     each step's top-K curve priced for R requests. With one array and R = R_old this is exactly the top-K sum. At
@@ -190,7 +197,7 @@ def async_capacity(c_old, sps: SPS, *, n_requests: int | None = None, min_gain: 
     """
     steps, base, pooled = _pool(c_old, n_requests)
     if base <= 0 or pooled == 0:
-        return 0
+        return 0, 1.0
     n_cand = base * max(c.shape[1] for c in steps)
     depth = 1 + np.arange(n_cand + 1)  # drafting priced at draft_depth_for(K) (the profile caps it at γ)
     if len(steps) == 1 and pooled == base:  # τ summed in the order a scalar loop would (exact reference tests)
@@ -200,8 +207,12 @@ def async_capacity(c_old, sps: SPS, *, n_requests: int | None = None, min_gain: 
         theta = (base + gains) * sps_values(sps, base + np.arange(gains.size), base, depth)
     if isinstance(sps, SpeedProfile):
         theta[0] = base / float(sps.step_s(base, n_requests=base))
-    best = int(np.argmax(theta))
-    return best if theta[best] > theta[0] * (1.0 + min_gain) else 0
+    if theta.size == 1:
+        return 0, 1.0
+    best = 1 + int(np.argmax(theta[1:]))
+    if theta[0] <= 0:  # a callable SPS may price plain decoding at zero: any drafting beats it
+        return best, (float("inf") if theta[best] > 0 else 1.0)
+    return best, float(theta[best] / theta[0])
 
 
 def async_schedule(c_now, capacity: int) -> np.ndarray:
