@@ -517,6 +517,14 @@ def test_async_policy_looks_again_soon_after_a_drafting_run_ends():
     assert ks == [None, None, 1, 1, 0, 0, None, 0, 0, 0, 0, None, 0, 0, 0, 0]
     again = AsyncPolicy(_two_level_sps, min_gain=0.1, pool_requests=1, probe_every=8, reprobe_every=8)
     assert _run(again, [0.9, 0.9] + [weak] * 14).index(None, 2) == 12  # the old rule: a full interval first
+    # with more requests than a probe drafts, a probe costs drafting: the first one waits the full interval
+    sps3 = lambda b: np.where(np.asarray(b) > 3, 1 / 1.4, 1.0)  # noqa: E731
+    pol3, ks3 = AsyncPolicy(sps3, min_gain=0.1, pool_requests=1, probe_every=8, reprobe_every=2), []
+    for c in [0.9, 0.9] + [weak] * 12:
+        drafts = pol3.prepare(3)
+        ks3.append(pol3.last_capacity)
+        pol3.select(np.full((3, 1), c) if drafts else None, n_requests=3)
+    assert ks3[2:5] == [3, 3, 0] and ks3.index(None, 2) == 12
     for bad in ({"reprobe_every": 0}, {"reprobe_every": 128}, {"stay_gain": 0.2}, {"max_age": 1}):
         with pytest.raises(ValueError):
             AsyncPolicy(_two_level_sps, min_gain=0.1, **bad)

@@ -40,11 +40,12 @@ class AsyncPolicy:
     probe interval, doubling with each probe, plus the lag before it could resume: at C = 2 on the dev CPU 66 % of
     the distinct pools priced K > 0 (median predicted gain 10 %) yet 13 % of the steps drafted, and MTP-1 beat the
     policy by 7 % (results/serving-s13-kernels-low). Hence: (1) hysteresis — once drafting it keeps drafting while
-    the best K beats plain decoding by more than ``stay_gain`` (default 0: at all); (2) when a drafting run ends
-    the first probe comes after ``reprobe_every`` skipped steps (default 2); (3) a probe that drafts every running
-    request (R <= ``probe_requests``) is an ordinary drafting step verified by Algorithm 1, so while the best K is
-    priced within ``near_loss`` (5 %) of plain decoding such probes keep coming every ``reprobe_every`` steps
-    instead of backing off. All depend only on past decisions and old confidences, so they stay lossless.
+    the best K beats plain decoding by more than ``stay_gain`` (default 0: at all); (2) a probe that drafts every
+    running request (R <= ``probe_requests``) is an ordinary drafting step verified by Algorithm 1, so at such
+    loads the first probe after a drafting run comes after ``reprobe_every`` skipped steps (default 2, else
+    ``probe_every``), and while the best K is priced within ``near_loss`` (5 %) of plain decoding the probes keep
+    coming that often instead of backing off. All depend only on past decisions and old confidences, so they stay
+    lossless.
 
     K is known before drafting, so only ``draft_depth(γ)`` = min(γ, K + 1) slots are drafted (no request can verify
     more than K; the extra slot's confidence lets the next K grow), and ``async_capacity`` prices each K at that
@@ -150,8 +151,8 @@ class AsyncPolicy:
             margin = self.stay_gain if self.last_capacity else self.min_gain  # hysteresis: drafting keeps on
             self.last_capacity = best if ratio > 1.0 + margin else 0
         self._probing = False
-        if self.last_capacity:
-            self._interval = self.reprobe_every  # when this run ends, look again soon
+        if self.last_capacity:  # when this run ends, look again soon if a probe is just a drafting step
+            self._interval = self.reprobe_every if n_requests <= self.probe_requests else self.probe_every
         elif self.last_capacity == 0 and self._skipped >= self._interval:
             self.last_capacity = None  # a probe: draft, verify by Algorithm 1, refresh the history
             near = ratio >= 1.0 - self.near_loss and n_requests <= self.probe_requests
