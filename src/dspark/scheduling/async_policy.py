@@ -42,9 +42,9 @@ class AsyncPolicy:
     policy by 7 % (results/serving-s13-kernels-low). Hence: (1) hysteresis — once drafting it keeps drafting while
     the best K beats plain decoding by more than ``stay_gain`` (default 0: at all); (2) a probe that drafts every
     running request (R <= ``probe_requests``) is an ordinary drafting step verified by Algorithm 1, so at such
-    loads the first probe after a drafting run comes after ``reprobe_every`` skipped steps (default 2, else
-    ``probe_every``), and while the best K is priced within ``near_loss`` (5 %) of plain decoding the probes keep
-    coming that often instead of backing off. All depend only on past decisions and old confidences, so they stay
+    loads the first probe after a drafting run comes after ``reprobe_every`` skipped steps (default 2, or
+    ``max_probe_every`` if less; at larger R ``probe_every``), and while the best K is priced within
+    ``near_loss`` (5 %) of plain decoding the probes keep coming that often instead of backing off. All depend only on past decisions and old confidences, so they stay
     lossless.
 
     K is known before drafting, so only ``draft_depth(γ)`` = min(γ, K + 1) slots are drafted (no request can verify
@@ -75,7 +75,7 @@ class AsyncPolicy:
     def __init__(self, sps: SPS, lag: int = 2, probe_every: int = 8, max_probe_every: int = 64,
                  pool_requests: int = 8, pool_steps: int = 8, online_calibration: bool = False,
                  min_gain: float = 0.03, probe_requests: int = 2, stay_gain: float | None = 0.0,
-                 reprobe_every: int | None = 2, max_age: int | None = 16, near_loss: float = 0.05):
+                 reprobe_every: int | None = None, max_age: int | None = 16, near_loss: float = 0.05):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -85,7 +85,7 @@ class AsyncPolicy:
         stay_gain = min_gain if stay_gain is None else stay_gain  # None: no hysteresis
         if not -1.0 < stay_gain <= min_gain:
             raise ValueError(f"stay_gain must lie in (-1, min_gain = {min_gain}], got {stay_gain}")
-        reprobe_every = probe_every if reprobe_every is None else reprobe_every
+        reprobe_every = min(2, max_probe_every) if reprobe_every is None else reprobe_every
         if not 1 <= reprobe_every <= max_probe_every:
             raise ValueError(f"need 1 <= reprobe_every <= max_probe_every, got {reprobe_every}, {max_probe_every}")
         if min(pool_requests, pool_steps, probe_requests) < 1:
