@@ -47,9 +47,14 @@ class FastLinear:
         return self.projection(flat).view(*x.shape[:-1], -1)
 
 
+def attached(module: nn.Module, name: str) -> FastLinear | None:
+    """The inference kernel ``attach`` gave this module's projection ``name``, if any."""
+    return module.__dict__.get("fast_linears", {}).get(name)
+
+
 def linear(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
     """``module.<name>(x)``, through its attached inference kernel when there is one."""
-    fast = module.__dict__.get("fast_linears", {}).get(name)
+    fast = attached(module, name)
     return fast(x) if fast is not None else getattr(module, name)(x)
 
 

@@ -22,7 +22,7 @@ from ..models.layers import RotaryTable, apply_rotary
 from ..models.transformer import Transformer
 from .dspark_attention import block_attention
 from .dspark_heads import ConfidenceHead, make_sequential_head
-from .draft_kernels import linear
+from .draft_kernels import attached, linear
 from .frozen_target import DraftVocabMixin, FrozenTarget
 
 
@@ -95,7 +95,7 @@ class DraftLayer(nn.Module):
 
         No input norm: the fused features are already RMS-normalised (as in DeepSpec)."""
         n, q_dim, kv_dim = feats.shape[0], self.heads * self.head_dim, self.kv_heads * self.head_dim
-        fast = self.__dict__.get("fast_linears", {}).get("kv")  # draft_kernels.attach: the k, v rows of qkv
+        fast = attached(self, "kv")  # draft_kernels.attach: the k and v rows of qkv
         if fast is not None:
             kv = fast(feats)
         else:
