@@ -267,3 +267,79 @@ def test_t1_output_distribution_with_partial_probes():
         engine.step()
     assert (1, 4) in shapes and sum(r.accepted for r in reqs) > 0
     assert_first_tokens_match_target(target, [r.output for r in reqs], n)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The async scheduler's low-load rules (scheduling/async_policy.py): hysteresis keeps drafting below the entry
+# margin, and near-threshold probes come every `reprobe_every` steps instead of backing off. Each rule gets a
+# setting under which it fires on these tiny models (entry margins tuned to their predicted gains), and a spy
+# checks it did, so the tests exercise the rule and not only the policy's name.
+
+RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0.9, max_age=4),
+         "near-threshold probe": dict(min_gain=0.5, near_loss=0.9, max_age=4)}
+
+
+def _rules_engine(target, drafter, max_running: int, rule: str):
+    from dspark.engine.engine import Engine, EngineConfig
+    from dspark.scheduling.registry import make_policy
+
+    policy = make_policy("async", sps=_depth_priced_profile(drafter.gamma), **RULES[rule])
+    seen, prepare, probes = set(), policy.prepare, [0]  # probes since the last drafting run
+
+    def spy(n_requests):
+        drafts = prepare(n_requests)
+        if policy.last_capacity:
+            probes[0] = 0
+            if policy._memo[2] <= 1.0 + policy.min_gain:
+                seen.add("kept drafting below the entry margin")
+        if policy._probing:
+            probes[0] += 1
+            if probes[0] >= 2 and policy._interval == policy.reprobe_every:  # backing off would have doubled it
+                seen.add("near-threshold probe")
+        return drafts
+
+    policy.prepare = spy
+    engine = Engine(target, None, drafter, policy, (), EngineConfig(gamma=drafter.gamma, max_running=max_running,
+                                                                    prefill_chunk=6))
+    return engine, seen
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_engine_greedy_with_async_low_load_rules_equals_plain(rule):
+    target = tiny_target(seed=4, scale=6.0)
+    drafter = tiny_drafter(target, head="markov", block=5)
+    engine, seen = _rules_engine(target, drafter, 1, rule)
+    reqs = assert_engine_greedy_equals_plain(engine, target)
+    assert rule in seen and sum(r.accepted for r in reqs) > 0
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_engine_seeded_sampling_with_async_low_load_rules(rule):
+    target = tiny_target(seed=4, scale=2.0)
+    drafter = tiny_drafter(target, head="markov", block=4)
+
+    def run(seed):
+        engine, seen = _rules_engine(target, drafter, 2, rule)
+        reqs = [engine.add_request(p, SamplingParams(temperature=1.0, max_new_tokens=40, seed=seed + i,
+                                                     ignore_eos=True)) for i, p in enumerate([[3, 4, 5], [9, 2]])]
+        while engine.has_unfinished():
+            engine.step()
+        return [r.output for r in reqs], seen
+
+    first, seen = run(7)
+    assert first == run(7)[0] and first != run(8)[0]
+    assert rule in seen
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_t1_output_distribution_with_async_low_load_rules(rule):
+    target = tiny_target(vocab=V, hidden=32, layers=2, seed=11, scale=3.0)
+    drafter = tiny_drafter(target, head="markov", rank=6, block=5, head_scale=1.0)
+    engine, seen = _rules_engine(target, drafter, 2, rule)
+    n = 4000
+    reqs = [engine.add_request(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=FIRST, seed=i, ignore_eos=True))
+            for i in range(n)]
+    while engine.has_unfinished():
+        engine.step()
+    assert rule in seen and sum(r.accepted for r in reqs) > 0
+    assert_first_tokens_match_target(target, [r.output for r in reqs], n)

@@ -71,8 +71,12 @@ def sps_values(sps: SPS, n_tokens: np.ndarray, n_requests: int, depth: np.ndarra
 def _theta(a_sorted: np.ndarray, base: int, sps: SPS, depth: np.ndarray | None = None) -> np.ndarray:
     """Θ_n = τ_n · SPS(base + n) for n = 0..N, τ_n = base + sum of the first n sorted survivals -> [N + 1].
     The cumsum includes ``base`` as its first term so τ is summed in exactly the order a scalar loop would."""
-    tau = np.cumsum(np.concatenate(([float(base)], a_sorted)))
-    return tau * sps_values(sps, base + np.arange(a_sorted.size + 1), base, depth)
+    return _tau(a_sorted, base) * sps_values(sps, base + np.arange(a_sorted.size + 1), base, depth)
+
+
+def _tau(a_sorted: np.ndarray, base: int) -> np.ndarray:
+    """τ_n = base + sum of the first n sorted survivals, n = 0..N -> [N + 1], summed in a scalar loop's order."""
+    return np.cumsum(np.concatenate(([float(base)], a_sorted)))
 
 
 def draft_depth_for(capacity: int, gamma: int) -> int:
@@ -202,7 +206,7 @@ def best_capacity(c_old, sps: SPS, *, n_requests: int | None = None) -> tuple[in
     n_cand = base * max(c.shape[1] for c in steps)  # drafting priced at draft_depth_for(K) (capped at γ)
     prices, plain_s = _capacity_prices(sps, base, n_cand)
     if len(steps) == 1 and pooled == base:  # τ summed in the order a scalar loop would (exact reference tests)
-        theta = np.cumsum(np.concatenate(([float(base)], _sorted_survivals(steps)))) * prices
+        theta = _tau(_sorted_survivals(steps), base) * prices
     else:
         theta = (base + _gains(steps, base, pooled)) * prices
     if plain_s is not None:
