@@ -38,8 +38,8 @@ class AsyncPolicy:
     brings new confidences and K is re-priced each step; a K = 0 decision brings none and holds until the next
     probe. With a one-sided rule a drafting run ended at the first noisy pool under the margin and then paid a
     probe interval, doubling with each probe, plus the lag before it could resume: at C = 2 on the dev CPU 66 % of
-    the distinct pools priced K > 0 (median predicted gain 10 %) yet 13 % of the steps drafted, and MTP-1 beat the
-    policy by 7 % (results/serving-s13-kernels-low). Hence: (1) hysteresis — once drafting it keeps drafting while
+    the distinct pools priced K > 0 (median predicted gain 9 %) yet 14 % of the steps drafted
+    (scripts/async_pricing_spy.py), and MTP-1 beat the policy by 7 % (results/serving-s13-kernels-low). Hence: (1) hysteresis — once drafting it keeps drafting while
     the best K beats plain decoding by more than ``stay_gain`` (default 0: at all); (2) a probe that drafts every
     running request (R <= ``probe_requests``) is an ordinary drafting step verified by Algorithm 1, so at such
     loads the first probe after a drafting run comes after ``reprobe_every`` skipped steps (default 2, or
