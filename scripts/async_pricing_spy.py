@@ -1,4 +1,4 @@
-"""How the async scheduler's decisions relate to what it priced: a spy on `best_capacity` in a closed loop.
+"""How the async scheduler's decisions relate to what it priced: a spy on its K pricing in a closed loop.
 
     .venv/bin/python scripts/async_pricing_spy.py --concurrency 2 --seconds 60
     .venv/bin/python scripts/async_pricing_spy.py --concurrency 1 --seconds 50 --policy async:reprobe_every=1
@@ -29,28 +29,31 @@ def main() -> None:
     ap.add_argument("--policy", default="async", help="an async policy spec, options allowed")
     args = ap.parse_args()
     priced = []  # (requests, pooled steps, pooled rows, best K, predicted gain)
-    real = async_policy.best_capacity
+    real = async_policy.capacity_from_survivals
 
-    def spy(c_old, sps, *, n_requests=None):
-        best, ratio = real(c_old, sps, n_requests=n_requests)
-        pool = c_old if isinstance(c_old, (list, tuple)) else [c_old]
-        priced.append((n_requests, len(pool), sum(np.shape(c)[0] for c in pool), best, ratio))
+    def spy(survivals, shapes, sps, n_requests):
+        best, ratio = real(survivals, shapes, sps, n_requests)
+        priced.append((n_requests, len(shapes), sum(rows for rows, _ in shapes), best, ratio))
         return best, ratio
 
-    async_policy.best_capacity = spy
+    async_policy.capacity_from_survivals = spy
     cfg = ServeBenchConfig(drafter="dspark", policies=(args.policy,), concurrency=(args.concurrency,),
                            max_new_tokens=64)
     _, _, prompts, params, engines = setup(cfg)
     engine = engines[args.policy]
     loop, kinds = ClosedLoop(engine, prompts, args.concurrency, params, 0.5), collections.Counter()
+    capacities = collections.Counter()  # K of each step (None: Algorithm 1)
     t_end = time.time() + args.seconds
     while time.time() < t_end:
         loop.tick()
         k = engine.policy.last_capacity
+        capacities[k] += 1
         kinds["probe / Algorithm 1" if k is None else "skipped" if k == 0 else "drafted, K > 0"] += 1
     total = sum(kinds.values())
     print(", ".join(f"{kind} {n} ({100 * n / total:.1f} %)" for kind, n in kinds.most_common()),
           f"| {engine.stats.generation_tokens / loop.clock:.1f} tok/s")
+    print("steps by K:", ", ".join(f"{'Alg. 1' if k is None else k}: {n}" for k, n in
+                                   sorted(capacities.items(), key=lambda kv: -1 if kv[0] is None else kv[0])))
     rows = [p for p in priced if p[0] == args.concurrency]
     if not rows:
         print("no pool was priced at this concurrency; run longer")

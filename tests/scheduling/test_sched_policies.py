@@ -400,8 +400,8 @@ def test_async_policy_reuses_k_while_its_pool_is_unchanged(monkeypatch):
     import dspark.scheduling.async_policy as ap
 
     calls = []
-    real = ap.best_capacity
-    monkeypatch.setattr(ap, "best_capacity", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = ap.capacity_from_survivals
+    monkeypatch.setattr(ap, "capacity_from_survivals", lambda *a, **k: calls.append(1) or real(*a, **k))
     prof = SpeedProfile((1, 4, 8), (1.0, 1.25, 1.6), (1, 8), (0.3, 0.3))
     rng = np.random.default_rng(2)
     memo, fresh = AsyncPolicy(prof, probe_every=4), AsyncPolicy(prof, probe_every=4)
@@ -562,3 +562,28 @@ def test_async_policy_keeps_probing_near_the_threshold_when_a_probe_drafts_every
     assert drafted(near, 1) == [0, 1, 4, 7, 10, 13]  # a probe is a drafting step: look every 2 skipped steps
     assert drafted(far, 1) == [0, 1, 4, 9, 18, 27]  # clearly not paying: back off 2, 4, 8
     assert drafted(near, 3) == [0, 1, 4, 9, 18, 27]  # a probe drafts 2 of 3 requests: it costs, so back off
+
+
+def test_async_policy_prices_k_from_kept_survivals_exactly_as_from_confidences():
+    """The policy keeps each drafted step's sorted survivals and prices K from them; the reference recomputes them
+    from the pooled confidences. Same K and the same predicted gain, bit for bit, over pools at R = 1 (up to 8
+    steps), of mixed depths (K + 1 slots drafted), and of steps with other R."""
+    from dspark.scheduling.policies import best_capacity, capacity_from_survivals
+
+    prof = SpeedProfile((1, 4, 8, 16), (1.0, 1.25, 1.6, 2.4), (1, 4, 8), (0.3, 0.5, 0.9),
+                        shallow_draft_seconds=(0.1, 0.2, 0.35), draft_depth=7)
+    rng = np.random.default_rng(5)
+    policy = AsyncPolicy(prof, probe_every=2, min_gain=0.0)
+    compared, shapes_seen = 0, set()
+    for _ in range(400):
+        n_req = int(rng.choice([1, 1, 1, 2, 3]))
+        _, pool = policy._old_confidences()
+        if pool:
+            shapes = [c.shape for c, _ in pool]
+            want = best_capacity([c for c, _ in pool], prof, n_requests=n_req)
+            assert capacity_from_survivals([a for _, a in pool], shapes, prof, n_req) == want
+            compared, shapes_seen = compared + 1, shapes_seen | set(shapes)
+        drafts = policy.prepare(n_req)
+        c = rng.beta(2, 2, size=(n_req, policy.draft_depth(7))) if drafts else None
+        policy.select(c, n_requests=n_req, gamma=7)
+    assert compared > 200 and len({g for _, g in shapes_seen}) > 1 and len({r for r, _ in shapes_seen}) > 1

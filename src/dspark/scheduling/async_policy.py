@@ -7,7 +7,8 @@ from collections import deque
 import numpy as np
 
 from .acceptance_tracker import AcceptanceTracker
-from .policies import SPS, async_schedule, best_capacity, draft_depth_for, sync_prefix_schedule
+from .policies import (SPS, async_schedule, best_capacity, capacity_from_survivals, draft_depth_for, step_survivals,
+                       sync_prefix_schedule)
 from .policy_objects import need_confidences
 
 
@@ -107,8 +108,9 @@ class AsyncPolicy:
         self.reset()
 
     def reset(self) -> None:
-        # (step, confidences) of the last drafted steps: enough to pool `pool_steps` of them `lag` steps back
-        self._history: deque[tuple[int, np.ndarray]] = deque(maxlen=self.lag + self.pool_steps)
+        # (step, confidences, their sorted survivals) of the last drafted steps: enough to pool `pool_steps` of
+        # them `lag` steps back; the survivals are kept so re-pricing K does not redo them for every pooled step
+        self._history: deque[tuple[int, np.ndarray, np.ndarray]] = deque(maxlen=self.lag + self.pool_steps)
         self._step = 0  # index of the step being planned
         self._skipped = 0  # drafter-skipped steps in a row
         self._interval = self.probe_every  # skipped steps before the next probe
@@ -119,19 +121,21 @@ class AsyncPolicy:
         if self.tracker is not None:
             self.tracker.reset()
 
-    def _old_confidences(self) -> tuple[tuple[int, ...], list[np.ndarray]]:
-        """(steps, confidences) of the newest steps at least ``lag`` steps before the current one, newest first,
+    def _old_confidences(self) -> tuple[tuple[int, ...], list[tuple[np.ndarray, np.ndarray]]]:
+        """(steps, (confidences, sorted survivals)) of the newest steps at least ``lag`` steps before the current one, newest first,
         until they hold ``pool_requests`` rows; none older than ``max_age`` but the newest (empty: no step is old
         enough yet)."""
         steps, pool = [], []
         oldest = -1 if self.max_age is None else self._step - self.max_age
-        for step, c in reversed(self._history):
+        rows = 0
+        for step, c, survivals in reversed(self._history):
             if step < oldest and pool:  # too old to pool, unless it is all there is (then K keeps its basis)
                 break
             if step <= self._step - self.lag and len(pool) < self.pool_steps:
                 steps.append(step)
-                pool.append(c)
-                if sum(x.shape[0] for x in pool) >= self.pool_requests:
+                pool.append((c, survivals))
+                rows += c.shape[0]
+                if rows >= self.pool_requests:
                     break
         return tuple(steps), pool
 
@@ -144,9 +148,13 @@ class AsyncPolicy:
         else:
             key = (pool_steps, n_requests, None if self.tracker is None else self.tracker.ratio)
             if key != self._memo[0]:  # while the drafter is skipped nothing changes: K is reused, not recomputed
-                if self.tracker is not None:
-                    c_old = [self.tracker.adjust(c) for c in c_old]
-                self._memo = (key, *best_capacity(c_old, self.sps, n_requests=n_requests))
+                if self.tracker is not None:  # scaled confidences: their survivals change too
+                    priced = best_capacity([self.tracker.adjust(c) for c, _ in c_old], self.sps,
+                                           n_requests=n_requests)
+                else:
+                    priced = capacity_from_survivals([a for _, a in c_old], [c.shape for c, _ in c_old], self.sps,
+                                                     n_requests)
+                self._memo = (key, *priced)
             _, best, ratio = self._memo
             margin = self.stay_gain if self.last_capacity else self.min_gain  # hysteresis: drafting keeps on
             self.last_capacity = best if ratio > 1.0 + margin else 0
@@ -186,7 +194,8 @@ class AsyncPolicy:
         self._skipped = 0
         c = need_confidences(self.name, c)
         kept = c if drafted is None else c[list(drafted)]
-        self._history.append((step, kept.copy()))  # copy: the caller may reuse its buffer next step
+        kept = kept.copy()  # the caller may reuse its buffer next step
+        self._history.append((step, kept, step_survivals(kept)))
         if self.tracker is not None:
             c = self.tracker.adjust(c)
         if self.last_capacity is None:
