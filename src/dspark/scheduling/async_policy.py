@@ -122,9 +122,9 @@ class AsyncPolicy:
             self.tracker.reset()
 
     def _old_confidences(self) -> tuple[tuple[int, ...], list[tuple[np.ndarray, np.ndarray]]]:
-        """(steps, (confidences, sorted survivals)) of the newest steps at least ``lag`` steps before the current one, newest first,
-        until they hold ``pool_requests`` rows; none older than ``max_age`` but the newest (empty: no step is old
-        enough yet)."""
+        """(steps, (confidences, sorted survivals)) of the newest steps at least ``lag`` steps before the current
+        one, newest first, until they hold ``pool_requests`` rows; none older than ``max_age`` but the newest
+        (empty: no step is old enough yet)."""
         steps, pool = [], []
         oldest = -1 if self.max_age is None else self._step - self.max_age
         rows = 0
