@@ -137,8 +137,9 @@ def _pool(c_old, n_requests: int | None) -> tuple[list[np.ndarray], int, int]:
     return steps, base, sum(c.shape[0] for c in steps)
 
 
-def _sorted_survivals(steps: list[np.ndarray]) -> np.ndarray:
-    return -np.sort(-np.concatenate([np.cumprod(c, axis=1).ravel() for c in steps]))  # [P·γ] descending
+def step_survivals(c: np.ndarray) -> np.ndarray:
+    """One step's validated confidences [R, γ] -> its survivals, descending [R·γ] (what pricing K needs of it)."""
+    return -np.sort(-np.cumprod(c, axis=1).ravel())
 
 
 def pooled_gains(c_old, *, n_requests: int | None = None) -> np.ndarray:
@@ -153,16 +154,11 @@ def pooled_gains(c_old, *, n_requests: int | None = None) -> np.ndarray:
     over-promised exactly where K > 0 was chosen (26.6 % of such drafts accepted where the estimate said ≥ 41 %).
     """
     steps, base, pooled = _pool(c_old, n_requests)
-    return _gains(steps, base, pooled)
+    return _gains([step_survivals(c) for c in steps], [c.shape for c in steps], base, pooled)
 
 
-def _gains(steps: list[np.ndarray], base: int, pooled: int) -> np.ndarray:
-    """``pooled_gains`` on already validated steps (``async_capacity`` validates once)."""
-    return _gains_sorted([_sorted_survivals([c]) for c in steps], [c.shape for c in steps], base, pooled)
-
-
-def _gains_sorted(survivals: list[np.ndarray], shapes: list[tuple[int, int]], base: int, pooled: int) -> np.ndarray:
-    """``_gains`` from each step's descending survivals [R_old·γ] and its shape (R_old, γ)."""
+def _gains(survivals: list[np.ndarray], shapes: list[tuple[int, int]], base: int, pooled: int) -> np.ndarray:
+    """``pooled_gains`` from each step's descending survivals [R_old·γ] (``step_survivals``) and shape (R_old, γ)."""
     if base <= 0 or pooled == 0:
         return np.zeros(1)
     n_cand = base * max(g for _, g in shapes)  # steps drafted shallower say nothing of deeper slots: flat
@@ -206,15 +202,15 @@ def best_capacity(c_old, sps: SPS, *, n_requests: int | None = None) -> tuple[in
     drafting is not free.
     """
     steps, base, _ = _pool(c_old, n_requests)
-    return capacity_from_survivals([_sorted_survivals([c]) for c in steps], [c.shape for c in steps], sps, base)
+    return capacity_from_survivals([step_survivals(c) for c in steps], [c.shape for c in steps], sps, base)
 
 
 def capacity_from_survivals(survivals: list[np.ndarray], shapes: list[tuple[int, int]], sps: SPS,
                             n_requests: int) -> tuple[int, float]:
     """``best_capacity`` on steps already reduced to their descending survivals [R_old·γ] (``step_survivals``)
     and shapes (R_old, γ). The async scheduler keeps these per drafted step: at R = 1 it re-prices K on every
-    drafted step from 8 pooled steps, and validating, multiplying and sorting each of them again took most of its
-    ~0.14 ms per step."""
+    drafted step from 8 pooled steps, and validating, multiplying and sorting each of them again took most of the
+    ~0.14 ms its ``prepare`` spent per step."""
     base, pooled = int(n_requests), sum(rows for rows, _ in shapes)
     if not shapes:
         raise ValueError("async_capacity needs at least one step's confidences")
@@ -225,7 +221,7 @@ def capacity_from_survivals(survivals: list[np.ndarray], shapes: list[tuple[int,
     if len(shapes) == 1 and pooled == base:  # τ summed in the order a scalar loop would (exact reference tests)
         theta = _tau(survivals[0], base) * prices
     else:
-        theta = (base + _gains_sorted(survivals, shapes, base, pooled)) * prices
+        theta = (base + _gains(survivals, shapes, base, pooled)) * prices
     if plain_s is not None:
         theta[0] = base / plain_s
     if theta.size == 1:
@@ -234,11 +230,6 @@ def capacity_from_survivals(survivals: list[np.ndarray], shapes: list[tuple[int,
     if theta[0] <= 0:  # a callable SPS may price plain decoding at zero: any drafting beats it
         return best, (float("inf") if theta[best] > 0 else 1.0)
     return best, float(theta[best] / theta[0])
-
-
-def step_survivals(c: np.ndarray) -> np.ndarray:
-    """One step's validated confidences [R, γ] -> its survivals, descending [R·γ] (what pricing K needs of it)."""
-    return _sorted_survivals([c])
 
 
 def _capacity_prices(sps: SPS, base: int, n_cand: int) -> tuple[np.ndarray, float | None]:
