@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/bf16_projection_cost.py --out results/bf16-projections
 
-For the draft LM head (16,384 × 576) and the draft layer's gate/up and down projections, at 1, 4 and 8 rows:
+For the draft LM head (16,384 × 576), the draft layer's gate/up and down projections and the Markov head's output
+projection (16,384 × 64), at 1, 4 and 8 rows (`--rows`):
 the fp32 path the drafter uses now (`Projection` with the C kernel for 1-2 rows, pre-packed oneDNN above) against
 oneDNN with bf16 weights and bf16 activations (fp32 accumulation; fast only on CPUs with AVX512-BF16 or AMX). A
 64 MiB buffer is written between calls so the weights come from memory as they do in an engine step; the two
@@ -22,18 +23,21 @@ import torch
 from dspark.bench.common import machine_info, markdown_table, write_results
 from dspark.models.layers import Projection
 
-SHAPES = (("draft LM head", 16384, 576), ("gate_up", 3072, 576), ("down", 576, 1536))
+SHAPES = (("draft LM head", 16384, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("Markov w2", 16384, 64))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--repeats", type=int, default=25)
+    ap.add_argument("--only", default=None, help="comma-separated projection names (default: all)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     flush = torch.randn(64 * 2**20 // 4)
     results = []
     for name, n, k in SHAPES:
+        if args.only and name not in args.only.split(","):
+            continue
         weight = torch.randn(n, k) / k**0.5
         fp32 = Projection(weight.contiguous(), packed=True, native=True)
         bf16 = Projection(weight.bfloat16().contiguous(), packed=True, native=False)

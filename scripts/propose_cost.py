@@ -4,10 +4,13 @@
     .venv/bin/python scripts/propose_cost.py --requests 1 --repeats 9 --depths 1,2,3,4,7 --temperatures 0
     .venv/bin/python scripts/propose_cost.py --requests 1,4,16 --repeats 25 --depths 4,7 --ab-kernels \
         --after-target-step --out results/drafter-kernels
+    .venv/bin/python scripts/propose_cost.py --requests 1,2,4,16 --repeats 25 --depths 2,4,7 --ab-bf16 \
+        --after-target-step --out results/drafter-bf16
 
 Greedy batches carry no full-vocabulary distributions (point masses); `depth` is what a fixed-K policy asks for.
 `--ab-kernels` times each proposal with the drafter's inference kernels (drafters/draft_kernels.py) and with its
-reference nn.Linear products, in a shuffled order within one process. `--after-target-step` runs a one-token
+reference nn.Linear products, in a shuffled order within one process; `--ab-bf16` likewise with the kernels in
+fp32 and with bf16 products (draft_kernels.py: bf16 LM head, bf16 projections from 3 rows up). `--after-target-step` runs a one-token
 target forward before every proposal, as an engine step does, so the drafter's weights are no longer in cache
 (a proposal repeated back to back reads them warm and looks cheaper than it is in the engine).
 """
@@ -25,6 +28,7 @@ from dspark.bench.common import machine_info, markdown_table, write_results
 from dspark.decoding import SamplingParams, make_generator
 from dspark.drafters import draft_kernels, make_drafter
 from dspark.drafters.base import DraftRequest
+from dspark.drafters.frozen_target import inference_head
 from dspark.models import load_model
 from dspark.models.transformer import Segment
 
@@ -54,23 +58,14 @@ def main() -> None:
     ap.add_argument("--depths", default="7,3,1", help="comma-separated draft depths")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
     ap.add_argument("--ab-kernels", action="store_true", help="kernels on vs the reference products, interleaved")
+    ap.add_argument("--ab-bf16", action="store_true", help="fp32 kernels vs bf16 products, interleaved")
     ap.add_argument("--after-target-step", action="store_true", help="a one-token target forward before each")
     ap.add_argument("--out", type=Path, default=None, help="write propose_cost.json / .md here")
     args = ap.parse_args()
     model = load_model(args.model, dtype="float32").model
     drafter = make_drafter(args.drafter, target=model, gamma=7)
-    attached = {m: m.__dict__["fast_linears"] for m in drafter.model.modules() if "fast_linears" in m.__dict__}
-    modes = ("kernels", "reference") if args.ab_kernels else ("kernels" if attached else "reference",)
-    if args.ab_kernels and not attached:
-        raise SystemExit("--ab-kernels: this drafter has no inference kernels attached (DSPARK_NATIVE=0 or no oneDNN)")
+    modes = mode_setters(drafter, model, args)
     cache, rng, rows = model.new_cache(64), random.Random(0), []
-
-    def set_mode(mode: str) -> None:
-        for module, fast in attached.items():
-            if mode == "kernels":
-                module.__dict__["fast_linears"] = fast
-            else:
-                module.__dict__.pop("fast_linears", None)
 
     for temperature in map(float, args.temperatures.split(",")):
         for n in map(int, args.requests.split(",")):
@@ -79,7 +74,7 @@ def main() -> None:
             times: dict = {cell: [] for cell in cells}
             for rep in range(args.repeats + 1):  # the first round warms up
                 for mode, depth in rng.sample(cells, len(cells)):
-                    set_mode(mode)
+                    modes[mode]()
                     if args.after_target_step:
                         cache.truncate(0)
                         model.forward(torch.tensor([5]), [Segment(cache, 0, 1)])
@@ -87,7 +82,7 @@ def main() -> None:
                     drafter.propose(reqs, depth=depth)
                     if rep:
                         times[(mode, depth)].append((time.perf_counter() - t0) * 1000)
-            set_mode("kernels")
+            next(iter(modes.values()))()
             for mode, depth in cells:
                 ms = statistics.median(times[(mode, depth)])
                 rows.append({"temperature": temperature, "requests": n, "depth": depth, "mode": mode, "median_ms": ms})
@@ -98,16 +93,48 @@ def main() -> None:
                                                  "rows": rows}, _markdown(rows, args))
 
 
+def mode_setters(drafter, model, args) -> dict:
+    """name -> a function putting the drafter in that mode; the first is the default (what `propose` runs)."""
+    if args.ab_kernels and args.ab_bf16:
+        raise SystemExit("--ab-kernels and --ab-bf16 are separate comparisons: pick one")
+    if args.ab_bf16:
+        packed, native = model.lm_head.packed is not None, model.lm_head.native
+        modes = {}
+        for name, bf16 in (("bf16", True), ("fp32", False)):
+            draft_kernels.attach(drafter.model, packed=packed, native=native, bf16=bf16)
+            kernels = {m: m.__dict__["fast_linears"] for m in drafter.model.modules() if "fast_linears" in m.__dict__}
+            modes[name] = _setter(drafter, kernels, inference_head(drafter.model, model, bf16))
+        return modes
+    attached = {m: m.__dict__["fast_linears"] for m in drafter.model.modules() if "fast_linears" in m.__dict__}
+    if args.ab_kernels and not attached:
+        raise SystemExit("--ab-kernels: this drafter has no inference kernels attached (DSPARK_NATIVE=0 or no oneDNN)")
+    modes = {"kernels": _setter(drafter, attached, drafter.draft_logits)} if attached else {}
+    if args.ab_kernels or not attached:
+        modes["reference"] = _setter(drafter, {m: None for m in attached}, drafter.draft_logits)
+    return modes
+
+
+def _setter(drafter, kernels: dict, head):
+    def set_mode() -> None:
+        drafter.draft_logits = head
+        for module, fast in kernels.items():
+            if fast is None:
+                module.__dict__.pop("fast_linears", None)
+            else:
+                module.__dict__["fast_linears"] = fast
+    return set_mode
+
+
 def _markdown(rows: list[dict], args) -> str:
     by = {(r["temperature"], r["requests"], r["depth"], r["mode"]): r["median_ms"] for r in rows}
+    names = list(dict.fromkeys(r["mode"] for r in rows))  # first: the default path; last: what it is compared with
     keys = sorted({k[:3] for k in by})
-    table = [[t, n, d, by.get((t, n, d, "kernels"), "–"), by.get((t, n, d, "reference"), "–"),
-              by[(t, n, d, "reference")] / by[(t, n, d, "kernels")] if (t, n, d, "reference") in by
-              and (t, n, d, "kernels") in by else "–"] for t, n, d in keys]
+    ratio = f"{names[-1]} / {names[0]}"
+    table = [[t, n, d, *(by.get((t, n, d, m), "–") for m in names),
+              by[(t, n, d, names[-1])] / by[(t, n, d, names[0])] if len(names) > 1 else "–"] for t, n, d in keys]
     cold = "after a one-token target step (weights cold)" if args.after_target_step else "back to back (weights warm)"
     return (f"# propose() cost, median ms over {args.repeats} repeats, {cold}\n\n"
-            + markdown_table(["T", "requests", "depth", "kernels", "reference", "reference / kernels"], table) + "\n")
-
+            + markdown_table(["T", "requests", "depth", *names, ratio], table) + "\n")
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,10 @@ def tiny_target(vocab: int = 96, hidden: int = 64, layers: int = 3, seed: int = 
 
 
 def tiny_drafter(target, *, head: str = "markov", rank: int = 8, block: int = 4, layers: int = 1, seed: int = 1,
-                 head_scale: float | None = None, confidence: bool = True, gamma: int | None = None) -> DSparkDrafter:
+                 head_scale: float | None = None, confidence: bool = True, gamma: int | None = None,
+                 bf16: bool = False) -> DSparkDrafter:
+    """A random DSpark/DFlash drafter for `target`; fp32 products unless `bf16` (not the CPU-dependent default,
+    so that tests comparing against fp32 references behave the same on every machine)."""
     L = target.config.num_layers
     arch = DrafterArch(drafter_type="dspark" if head != "none" else "dflash", layer_ids=tuple(range(L)),
                        num_layers=layers, block_size=block, mask_token_id=target.config.vocab_size - 1,
@@ -44,7 +47,7 @@ def tiny_drafter(target, *, head: str = "markov", rank: int = 8, block: int = 4,
         with torch.no_grad():  # make the sequential head matter: its bias is then comparable to the logits
             model.head.w1.weight.normal_(0, head_scale)
             model.head.w2.weight.normal_(0, head_scale)
-    return DSparkDrafter(model.eval().requires_grad_(False), target, gamma)
+    return DSparkDrafter(model.eval().requires_grad_(False), target, gamma, bf16=bf16)
 
 
 def speculative(target, drafter, prompts: list[list[int]], params: SamplingParams, n_tokens: int,

@@ -43,7 +43,7 @@ def drafter(target, head="markov", confidence=True, layers=2, seed=1) -> DSparkD
     with torch.no_grad():  # random everything (norms too), so a swapped or misplaced tensor cannot go unnoticed
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    return DSparkDrafter(model.eval().requires_grad_(False), target)
+    return DSparkDrafter(model.eval().requires_grad_(False), target, bf16=False)  # compared with fp32 references
 
 
 def propose(target, d, temperature=1.0, seed=0):
@@ -69,7 +69,7 @@ def test_export_then_load_drafts_identically(target, tmp_path, head):
     ours = drafter(target, head)
     save_drafter(tmp_path / "ours", ours.model, target, target_name="tiny-qwen3")
     out = export_deepspec(tmp_path / "ours", tmp_path / "deepspec", target)
-    back = make_drafter(str(out), target)  # routed by config.json: no drafter_type, HF architectures
+    back = make_drafter(str(out), target, bf16=False)  # routed by config.json: no drafter_type, HF architectures
     assert back.needs_layers == (0, 2) and back.gamma == 4 and back.model.arch.head == head
     for temperature in (0.0, 1.0):
         assert_same_proposals(propose(target, ours, temperature)[0], propose(target, back, temperature)[0])
@@ -141,7 +141,7 @@ def test_dflash_round_trip_and_hidden_only_confidence(target, tmp_path):
     out = export_deepspec(ours.model, tmp_path / "dflash", target, vocab_weights=False)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["markov_rank"] == 0 and not cfg["enable_confidence_head"] and "markov_head_type" not in cfg
-    back = load_deepspec(out, target)
+    back = load_deepspec(out, target, bf16=False)
     assert back.name == "dflash" and back.model.head is None and not back.has_confidence
     assert_same_proposals(propose(target, ours)[0], propose(target, back)[0])
     # Their hidden-only confidence head beside a Markov head loads exactly, as zero weights on W1[prev].
@@ -154,7 +154,7 @@ def test_dflash_round_trip_and_hidden_only_confidence(target, tmp_path):
     save_file(w, str(out / "model.safetensors"))
     cfg = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**cfg, "confidence_head_with_markov": False}))
-    assert_same_proposals(propose(target, d)[0], propose(target, load_deepspec(out, target))[0])
+    assert_same_proposals(propose(target, d)[0], propose(target, load_deepspec(out, target, bf16=False))[0])
 
 
 def test_unknown_or_unrepresentable_layouts_are_refused(target, tmp_path):
@@ -203,5 +203,6 @@ def test_cli_export_from_the_targets_hf_config(target, tmp_path, monkeypatch, ca
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["torch_dtype"] == "bfloat16" and cfg["markov_head_type"] == "rnn" and cfg["rope_theta"] == 1e6
     assert load_file(str(tmp_path / "out" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
-    original = make_drafter(str(tmp_path / "ours"), target)  # the bf16-rounded weights, read back in fp32
-    assert_same_proposals(propose(target, original)[0], propose(target, make_drafter(str(tmp_path / "out"), target))[0])
+    original = make_drafter(str(tmp_path / "ours"), target, bf16=False)  # the bf16-rounded weights, read back in fp32
+    back = make_drafter(str(tmp_path / "out"), target, bf16=False)
+    assert_same_proposals(propose(target, original)[0], propose(target, back)[0])

@@ -100,3 +100,48 @@ def test_without_kernels_nothing_is_attached(target):
     draft_kernels.detach(model)
     assert draft_kernels.attach(model, packed=False, native=False) == 0
     assert not any("fast_linears" in m.__dict__ for m in model.modules())
+
+
+def _drafted_logits(drafter, monkeypatch, prompts, params):
+    """Propose once for `prompts`, recording each slot's fp32 logits [R, Vd] as they reach `draw`."""
+    from dspark.drafters import dspark as dspark_module
+
+    seen, draw = [], dspark_module.draw
+    monkeypatch.setattr(dspark_module, "draw", lambda logits, *a: seen.append(logits.clone()) or draw(logits, *a))
+    proposal = drafter.propose(_observed(drafter.target, drafter, prompts, params))
+    monkeypatch.setattr(dspark_module, "draw", draw)
+    return proposal, torch.stack(seen, dim=1)  # [R, γ, Vd]
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_bf16_products_draft_what_fp32_drafts_up_to_near_ties(target, head, monkeypatch):
+    """bf16 products move each logit by rounding only: until two greedy drafts part, every slot's logits and
+    confidences agree to a bf16 tolerance, and where they part the fp32 path's top two logits are within that
+    tolerance (a near-tie); for 1 request (the C kernel's rows in the heads) and 3 (bf16 everywhere)."""
+    if not _kernels_available(target):
+        pytest.skip("no fast CPU kernel in this build")
+    fp32 = tiny_drafter(target, head=head, head_scale=1.0, block=4)
+    bf16 = tiny_drafter(target, head=head, head_scale=1.0, block=4, bf16=True)
+    assert bf16.profile_id.endswith("-k-bf16") and not fp32.profile_id.endswith("-bf16")
+    params, tolerance = SamplingParams(temperature=0.0), 0.05
+    for prompts in (PROMPTS[:1], PROMPTS):
+        ref, ref_logits = _drafted_logits(fp32, monkeypatch, prompts, params)
+        got, got_logits = _drafted_logits(bf16, monkeypatch, prompts, params)
+        assert (got_logits[:, 0] - ref_logits[:, 0]).abs().max() > 0  # bf16 really ran (slot 0: same prefix)
+        for r in range(len(prompts)):
+            parted = (got.tokens[r] != ref.tokens[r]).nonzero()
+            last = int(parted[0]) if parted.numel() else got.tokens.shape[1] - 1  # slots up to here: same prefix
+            assert (got_logits[r, :last + 1] - ref_logits[r, :last + 1]).abs().max() < tolerance
+            torch.testing.assert_close(got.confidences[r, :last + 1], ref.confidences[r, :last + 1], atol=2e-2,
+                                       rtol=0)
+            if parted.numel():
+                top2 = ref_logits[r, last].topk(2).values
+                assert float(top2[0] - top2[1]) < 2 * tolerance
+
+
+def test_bf16_is_on_by_default_only_where_the_cpu_multiplies_bf16(target):
+    from dspark.drafters.dspark import DSparkDrafter
+
+    auto = DSparkDrafter(tiny_drafter(target).model, target, bf16=None)
+    assert auto.bf16 == (target.lm_head.packed is not None and draft_kernels.bf16_is_fast())
+    assert auto.profile_id.endswith("-bf16") == auto.bf16

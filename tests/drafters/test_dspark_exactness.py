@@ -26,10 +26,12 @@ def test_greedy_speculative_equals_plain_greedy(head):
         assert out == plain_greedy(target, prompt, 40)
 
 
-def test_greedy_equality_when_drafts_are_accepted():
-    """On a peaked, repetitive target even a random drafter gets drafts accepted: the accept path is exercised."""
+@pytest.mark.parametrize("bf16", [False, True])
+def test_greedy_equality_when_drafts_are_accepted(bf16):
+    """On a peaked, repetitive target even a random drafter gets drafts accepted: the accept path is exercised
+    (also with the drafter's bf16 products: they change q, never the output)."""
     target = tiny_target(seed=4, scale=6.0)
-    drafter = tiny_drafter(target, head="markov", block=4)
+    drafter = tiny_drafter(target, head="markov", block=4, bf16=bf16)
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     stats = {}
     out = speculative(target, drafter, [prompt], SamplingParams(temperature=0), 30, seeds=[0], stats=stats)[0]
@@ -55,9 +57,10 @@ def exact_first_tokens(target) -> dict[tuple, float]:
     return out
 
 
-def test_t1_output_distribution_matches_target_with_markov_head():
+@pytest.mark.parametrize("bf16", [False, True])
+def test_t1_output_distribution_matches_target_with_markov_head(bf16):
     target = tiny_target(vocab=V, hidden=32, layers=2, seed=11, scale=3.0)
-    drafter = tiny_drafter(target, head="markov", rank=6, block=3, head_scale=1.0)
+    drafter = tiny_drafter(target, head="markov", rank=6, block=3, head_scale=1.0, bf16=bf16)
     # The Markov head is active: slot 2's distribution depends on the token drawn at slot 1.
     w = drafter.model.head.w2.weight @ drafter.model.head.w1.weight.T  # [V, V] bias columns per prev token
     assert float(w.std()) > 0.5
@@ -99,9 +102,10 @@ def test_engine_greedy_with_dspark_drafter_equals_plain(policy_name):
     assert sum(r.accepted for r in reqs) > 0
 
 
-def test_engine_seeded_sampling_with_dspark_drafter():
+@pytest.mark.parametrize("bf16", [False, True])
+def test_engine_seeded_sampling_with_dspark_drafter(bf16):
     target = tiny_target(seed=4, scale=2.0)
-    drafter = tiny_drafter(target, head="markov", block=4)
+    drafter = tiny_drafter(target, head="markov", block=4, bf16=bf16)
     assert_seeded_engine_reproducible(target, drafter)
 
 

@@ -186,12 +186,13 @@ def load_deepspec_model(path, target, strict_target: bool = True) -> DSparkModel
 
 @register_drafter("checkpoint:deepspec")  # make_drafter routes configs with architectures and no drafter_type here
 def load_deepspec(path, target, gamma: int | None = None, strict_target: bool = True,
-                  calibration: bool = True) -> DSparkDrafter:
-    """A DeepSpec-layout directory as our inference drafter (calibration.json next to it is used if present)."""
+                  calibration: bool = True, bf16: bool | None = None) -> DSparkDrafter:
+    """A DeepSpec-layout directory as our inference drafter (calibration.json next to it is used if present;
+    `bf16` as in load_dspark)."""
     path = Path(path).parent if Path(path).is_file() else Path(path)  # make_drafter may hand us config.json
     model = load_deepspec_model(path, target, strict_target)
     cal = load_calibration(path, model.arch.block_size) if calibration else None
-    return DSparkDrafter(model, _transformer(target), gamma, cal)
+    return DSparkDrafter(model, _transformer(target), gamma, cal, bf16)
 
 
 def _rope_fields(s) -> dict:

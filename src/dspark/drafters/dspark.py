@@ -26,7 +26,7 @@ from .base import BatchFirstDrafter, DraftRequest, DrafterError, Proposal, regis
 from .dspark_checkpoint import load_calibration, load_drafter_model
 from .dspark_context import DraftContext
 from .dspark_model import DSparkModel
-from .draft_kernels import attach as attach_kernels
+from .draft_kernels import attach as attach_kernels, bf16_is_fast
 from .frozen_target import inference_head
 
 STATE_KEY = "dspark.context"
@@ -40,7 +40,8 @@ class DSparkProposal(Proposal):
 class DSparkDrafter(BatchFirstDrafter):
     name = "dspark"
 
-    def __init__(self, model: DSparkModel, target: Transformer, gamma: int | None = None, calibration=None):
+    def __init__(self, model: DSparkModel, target: Transformer, gamma: int | None = None, calibration=None,
+                 bf16: bool | None = None):
         block = model.arch.block_size
         super().__init__(block if gamma is None else gamma)
         if self.gamma > block:
@@ -49,15 +50,20 @@ class DSparkDrafter(BatchFirstDrafter):
         self.needs_layers = tuple(model.arch.layer_ids)
         self.has_confidence = model.confidence is not None
         self.name = model.arch.drafter_type
-        self.draft_logits = inference_head(model, target)  # h [..., d] -> fp32 logits [..., Vd]
+        packed = target.lm_head.packed is not None
+        # bf16 products for the drafter only (its q; verification keeps the target's fp32): default where the CPU
+        # multiplies bf16 natively and the target runs on oneDNN (draft_kernels.py)
+        self.bf16 = (packed and bf16_is_fast()) if bf16 is None else bool(bf16)
+        self.draft_logits = inference_head(model, target, self.bf16)  # h [..., d] -> fp32 logits [..., Vd]
         # the target's CPU kernels for the drafter's own projections too (draft_kernels.py)
-        self.kernels = attach_kernels(model, packed=target.lm_head.packed is not None, native=target.lm_head.native)
+        self.kernels = attach_kernels(model, packed=packed, native=target.lm_head.native, bf16=self.bf16)
 
     @property
     def profile_id(self) -> str:
         a = self.model.arch
         return (f"{a.drafter_type}-g{self.gamma}-L{a.num_layers}-{a.head}{a.rank}-v{self.model.draft_vocab_size}"
-                f"{'-conf' if a.confidence else ''}{'-k' if self.kernels else ''}")  # kernels change its price
+                f"{'-conf' if a.confidence else ''}{'-k' if self.kernels else ''}"
+                f"{'-bf16' if self.bf16 else ''}")  # kernels and precision change its price
 
     # ------------------------------------------------------------------------------------------------
     def context(self, request: DraftRequest) -> DraftContext:
@@ -186,12 +192,13 @@ def _transformer(target) -> Transformer:
 
 
 def load_dspark(path, target, gamma: int | None = None, strict_target: bool = True,
-                calibration: bool = True) -> DSparkDrafter:
-    """Load a `dspark` or `dflash` checkpoint directory for `target`; calibration.json is used when present."""
+                calibration: bool = True, bf16: bool | None = None) -> DSparkDrafter:
+    """Load a `dspark` or `dflash` checkpoint directory for `target`; calibration.json is used when present.
+    `bf16`: the drafter's products in bf16 (None: where the CPU multiplies bf16 natively)."""
     model_target = _transformer(target)
     model, _ = load_drafter_model(path, model_target, strict_target)
     cal = load_calibration(path, model.arch.block_size) if calibration else None
-    return DSparkDrafter(model, model_target, gamma, cal)
+    return DSparkDrafter(model, model_target, gamma, cal, bf16)
 
 
 @register_drafter("checkpoint:dspark")

@@ -119,23 +119,32 @@ class DraftVocabMixin:
         return x * self.frozen.embed_scale if self.frozen.embed_scale is not None else x
 
 
-def inference_head(model: DraftVocabMixin, target):
+def inference_head(model: DraftVocabMixin, target, bf16: bool = False):
     """The drafter's LM head for inference: h [..., d] -> fp32 logits [..., Vd]. Without a draft vocabulary it is
     the target's own head; with one, the draft rows through the same kernel as the target's head (pre-packed
-    oneDNN on CPU: plain fp32 `linear` on a few rows is 2-3x slower there, see models/layers.py)."""
+    oneDNN on CPU: plain fp32 `linear` on a few rows is 2-3x slower there, see models/layers.py).
+    `bf16`: a bf16 copy of those rows with bf16 activations (fp32 accumulation) at every row count: the head is
+    bound by reading its weights, which takes half the time in bf16 (scripts/bf16_projection_cost.py)."""
     from ..models.layers import Projection
+    from .draft_kernels import bf16_projection
 
-    if model.vocab_ids is None:
-        return lambda h: target.lm_logits(h.reshape(-1, h.shape[-1]).to(target.dtype)).view(*h.shape[:-1], -1)
-    rows = model.frozen.draft_head  # [Vd, d], gathered once at load (training's head_dtype may differ)
-    if rows.dtype != target.dtype:
-        rows = target.lm_head.weight[model.vocab_ids.to(target.device)]
-    rows = rows.contiguous()
-    head = Projection(rows, packed=target.lm_head.packed is not None, native=target.lm_head.native)
     cap = target.config.final_logit_softcap
+    if model.vocab_ids is None and not bf16:
+        return lambda h: target.lm_logits(h.reshape(-1, h.shape[-1]).to(target.dtype)).view(*h.shape[:-1], -1)
+    if model.vocab_ids is None:
+        rows = target.lm_head.weight
+    else:
+        rows = model.frozen.draft_head  # [Vd, d], gathered once at load (training's head_dtype may differ)
+        if rows.dtype != target.dtype:
+            rows = target.lm_head.weight[model.vocab_ids.to(target.device)]
+    if bf16:
+        head, dtype = bf16_projection(rows), torch.bfloat16
+    else:
+        head = Projection(rows.contiguous(), packed=target.lm_head.packed is not None, native=target.lm_head.native)
+        dtype = target.dtype
 
     def logits(h: torch.Tensor) -> torch.Tensor:
-        out = head(h.reshape(-1, h.shape[-1]).to(target.dtype)).float().view(*h.shape[:-1], -1)
+        out = head(h.reshape(-1, h.shape[-1]).to(dtype)).float().view(*h.shape[:-1], -1)
         return torch.tanh(out / cap) * cap if cap else out
 
     return logits
