@@ -34,7 +34,8 @@ def add_generate(sub) -> None:
     src.add_argument("--prompt-file", type=Path, help="file whose whole content is the prompt")
     _add_model_args(p)
     p.add_argument("--drafter", default="auto", help="auto (the shipped DSpark drafter for this model, else n-gram), "
-                   "dspark, ngram, none, or the path of a trained drafter")
+                   "dspark, ngram, none, or the path of a trained drafter; a DSpark drafter may end in @fp32 or @bf16 "
+                   "(its own products; default: bf16 where the CPU multiplies bf16 natively)")
     p.add_argument("--gamma", type=int, default=7, help="draft block size (tokens proposed per round)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the tokenizer's chat template (default: on)")

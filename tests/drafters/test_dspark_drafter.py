@@ -121,6 +121,19 @@ def test_dflash_checkpoint_has_no_confidence(tmp_path, target):
     assert prop.confidences is None and prop.probs.shape == (1, 4, 96)
 
 
+def test_a_precision_suffix_sets_the_drafters_products(tmp_path, target):
+    path = str(save(tmp_path, tiny_drafter(target, head="markov", block=4), target))
+    assert make_drafter(path + "@fp32", target=target).bf16 is False
+    assert make_drafter(path + "@bf16", target=target).profile_id.endswith("-bf16")
+    assert make_drafter(path + "@auto", target=target).bf16 == make_drafter(path, target=target).bf16
+    with pytest.raises(DrafterError, match="DSpark/DFlash drafters, not 'ngram'"):
+        make_drafter("ngram@fp32", target=target)
+    with pytest.raises(DrafterError, match="given twice"):
+        make_drafter(path + "@fp32", target=target, bf16=True)
+    with pytest.raises(DrafterError, match="unknown drafter"):
+        make_drafter(path + "@fp16", target=target)  # not a precision: read as a path, which does not exist
+
+
 @pytest.mark.parametrize("change", [dict(vocab=80), dict(hidden=32), dict(layers=4), dict(seed=99)])
 def test_a_drafter_made_for_another_target_is_refused(tmp_path, target, change):
     path = save(tmp_path, tiny_drafter(target), target)

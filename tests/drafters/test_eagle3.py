@@ -44,7 +44,7 @@ def tiny_eagle3(target, steps: int = 4, seed: int = 1, gamma: int | None = None,
             model.fuse.weight[:, (L - 1) * d:] = torch.eye(d)
             model.layer.o.weight.mul_(0.1)
             model.layer.down.weight.mul_(0.1)
-    return Eagle3Drafter(model.eval().requires_grad_(False), target, gamma)
+    return Eagle3Drafter(model.eval().requires_grad_(False), target, gamma, bf16=False)  # fp32: vs references
 
 
 def test_step_weights_are_powers_of_0_8():

@@ -115,10 +115,31 @@ def drafter_names() -> list[str]:
     return ["none", *sorted(n for n in _REGISTRY if ":" not in n)]
 
 
+PRECISIONS = {"auto": None, "bf16": True, "fp32": False}  # a DSpark/DFlash drafter's `bf16` option
+
+
+def split_precision(spec: str) -> tuple[str, dict]:
+    """``dspark@fp32`` -> ("dspark", {"bf16": False}): a model drafter's product precision, set from the spec so
+    that one command can compare both (`--drafters dspark@fp32,dspark@bf16`). No suffix: the drafter's default."""
+    name, at, suffix = spec.rpartition("@")
+    if not at or suffix not in PRECISIONS:
+        return spec, {}
+    return name, {"bf16": PRECISIONS[suffix]}
+
+
 def make_drafter(spec: str, target=None, gamma: int | None = None, **options) -> Drafter | None:
-    """`none`, a registered name, or a directory holding a trained drafter (config.json names its type)."""
+    """`none`, a registered name, or a directory holding a trained drafter (config.json names its type); either
+    may end in ``@fp32``, ``@bf16`` or ``@auto`` for a DSpark/DFlash drafter's product precision."""
     if spec in (None, "none", ""):
         return None
+    spec, precision = split_precision(spec)
+    if precision:
+        if "bf16" in options:
+            raise DrafterError(f"the drafter's precision is given twice: {spec!r} with bf16={options['bf16']}")
+        if spec in _REGISTRY and spec not in ("dspark", "auto"):
+            raise DrafterError(f"a precision suffix (@fp32/@bf16/@auto) applies to DSpark/DFlash drafters, "
+                               f"not {spec!r}")
+        options = {**options, **precision}
     if spec in _REGISTRY:
         kwargs = dict(options) if gamma is None else {**options, "gamma": gamma}
         return _REGISTRY[spec](target=target, **kwargs)

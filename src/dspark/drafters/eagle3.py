@@ -20,6 +20,7 @@ from .base import BatchFirstDrafter, DraftRequest, DrafterError, Proposal, regis
 from .dspark import _transformer, draw, slot_probs
 from .dspark_checkpoint import load_drafter_model
 from .dspark_context import DraftContext
+from .draft_kernels import bf16_is_fast
 from .eagle3_model import Eagle3Model
 from .frozen_target import inference_head
 
@@ -45,12 +46,18 @@ class _Features:
 class Eagle3Drafter(BatchFirstDrafter):
     name = "eagle3"
 
-    def __init__(self, model: Eagle3Model, target: Transformer, gamma: int | None = None):
+    def __init__(self, model: Eagle3Model, target: Transformer, gamma: int | None = None, bf16: bool | None = None):
         # The chain is autoregressive, so γ may exceed the trained TTT steps (quality then degrades).
         super().__init__(model.arch.block_size if gamma is None else gamma)
         self.model, self.target = model.eval(), target
         self.needs_layers = tuple(model.arch.layer_ids)
-        self.draft_logits = inference_head(model, target)  # h [..., d] -> fp32 logits [..., Vd]
+        # the LM head in bf16 by the same rule as DSpark's (draft_kernels.py), so that comparisons stay fair
+        self.bf16 = (target.lm_head.packed is not None and bf16_is_fast()) if bf16 is None else bool(bf16)
+        self.draft_logits = inference_head(model, target, self.bf16)  # h [..., d] -> fp32 logits [..., Vd]
+
+    @property
+    def profile_id(self) -> str:
+        return f"{super().profile_id}{'-bf16' if self.bf16 else ''}"
 
     def _state(self, request: DraftRequest) -> tuple[_Features, DraftContext]:
         state = request.state.get(STATE_KEY)
@@ -133,8 +140,9 @@ class Eagle3Drafter(BatchFirstDrafter):
 
 
 def load_eagle3(path, target, gamma: int | None = None, strict_target: bool = True,
-                calibration: bool = True) -> Eagle3Drafter:
-    """Load an `eagle3` checkpoint directory for `target` (`calibration` is accepted and unused: no confidences)."""
+                calibration: bool = True, bf16: bool | None = None) -> Eagle3Drafter:
+    """Load an `eagle3` checkpoint directory for `target` (`calibration` is accepted and unused: no confidences;
+    `bf16`: its LM head in bf16, None: where the CPU multiplies bf16 natively)."""
     model_target = _transformer(target)
     try:
         model, _ = load_drafter_model(path, model_target, strict_target, model_cls=Eagle3Model)
@@ -142,7 +150,7 @@ def load_eagle3(path, target, gamma: int | None = None, strict_target: bool = Tr
         if isinstance(exc, DrafterError):
             raise
         raise DrafterError(f"{path}: invalid Eagle3 architecture ({exc})") from None
-    return Eagle3Drafter(model, model_target, gamma)
+    return Eagle3Drafter(model, model_target, gamma, bf16=bf16)
 
 
 @register_drafter("checkpoint:eagle3")
