@@ -10,9 +10,10 @@
 Greedy batches carry no full-vocabulary distributions (point masses); `depth` is what a fixed-K policy asks for.
 `--ab-kernels` times each proposal with the drafter's inference kernels (drafters/draft_kernels.py) and with its
 reference nn.Linear products, in a shuffled order within one process; `--ab-bf16` likewise with the kernels in
-fp32 and with bf16 products (draft_kernels.py: bf16 LM head, bf16 projections from 3 rows up). `--after-target-step` runs a one-token
-target forward before every proposal, as an engine step does, so the drafter's weights are no longer in cache
-(a proposal repeated back to back reads them warm and looks cheaper than it is in the engine).
+fp32 and with bf16 products (draft_kernels.py: bf16 LM head, bf16 projections from 3 rows up).
+`--after-target-step` runs a one-token target forward before every proposal, as an engine step does, so the
+drafter's weights are no longer in cache (a proposal repeated back to back reads them warm and looks cheaper than
+it is in the engine).
 """
 from __future__ import annotations
 

@@ -11,11 +11,11 @@ oneDNN above), for inference only:
 * a packed copy is a snapshot of the weight; if the weight is changed in place afterwards (an optimizer step,
   `load_state_dict`) its version counter moves and the module's own product runs instead — never a stale result.
 
-With `bf16=True` (the default where the CPU has native bf16 dot products, `bf16_is_fast`), products over 3 rows
-or more read a bf16 copy of the weight through pre-packed oneDNN with bf16 activations and fp32 accumulation:
-on the dev machine's AVX512-BF16 cores that is 1.4-1.6x faster for the draft layer's projections at 3-7 rows,
-while at 1-2 rows the fp32 C kernel stays faster (scripts/bf16_projection_cost.py). The shipped drafter's weights
-are stored in bf16, so the copy is exact and only the activations are rounded.
+With `bf16=True` (the default where the CPU has native bf16 dot products, `bf16_is_fast`), products of
+`BF16_MIN_ROWS` (3) rows or more read a bf16 copy of the weight through pre-packed oneDNN, with bf16 activations
+and fp32 accumulation: on the dev machine's AVX512-BF16 cores that is 1.4-1.6x faster for the draft layer's
+projections at 3-7 rows, while at 1-2 rows the fp32 C kernel stays faster (scripts/bf16_projection_cost.py).
+The shipped drafter's weights are stored in bf16, so the copy is exact and only the activations are rounded.
 
 Either way the drafter's distribution q moves by float rounding (bf16: ~1e-2 in a logit), so a drafted token can
 differ from the reference path where its top two logits nearly tie. Verification uses the probabilities the
@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models import native as native_kernel
 from ..models.layers import Projection
+
+BF16_MIN_ROWS = 3  # below, the fp32 C kernel beats bf16 oneDNN on the draft layer's shapes (bf16_projection_cost.py)
 
 
 def bf16_is_fast() -> bool:
@@ -53,7 +54,7 @@ class FastLinear:
         weight = linear.weight.detach()[self.rows].contiguous()
         self.bias = None if linear.bias is None else linear.bias.detach()[self.rows].contiguous()
         self.projection = Projection(weight, self.bias, packed=packed, native=native)
-        self.wide = bf16_projection(weight) if bf16 else None  # for more rows than the C kernel takes
+        self.wide = bf16_projection(weight) if bf16 else None  # for BF16_MIN_ROWS rows and more
 
     def usable(self, x: torch.Tensor) -> bool:
         weight = self.linear.weight
@@ -66,7 +67,7 @@ class FastLinear:
             w = self.linear.weight[self.rows]
             return nn.functional.linear(x, w, None if self.linear.bias is None else self.linear.bias[self.rows])
         flat = x.reshape(-1, x.shape[-1])
-        if self.wide is not None and flat.shape[0] > native_kernel.MAX_ROWS:
+        if self.wide is not None and flat.shape[0] >= BF16_MIN_ROWS:
             out = self.wide(flat.to(torch.bfloat16)).float()
             if self.bias is not None:
                 out += self.bias
