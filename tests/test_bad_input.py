@@ -90,6 +90,8 @@ def test_unknown_drafter_lists_valid_names(tmp_path):
     (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens"),
     (["generate", "--prompt", "x", "--model", "/nonexistent/model"], "unknown model"),
     (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "No such file"),
+    (["generate", "--prompt", "x", "--policy", "fixed-three"], "unknown policy"),
+    (["generate", "--prompt", "x", "--drafter", "ngram", "--policy", "async"], "needs a drafter with a confidence"),
 ])
 def test_cli_reports_bad_input_in_one_line(argv, message, capsys):
     assert main(argv) == 2

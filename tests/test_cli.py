@@ -32,3 +32,4 @@ def test_generate_json_end_to_end():
     result = json.loads(out.stdout)
     assert 0 < result["new_tokens"] <= 12 and result["text"]
     assert result["tau"] >= 1.0 and result["ttft_s"] > 0
+    assert result["drafter_used"] == "ngram" and result["policy"] == "fixed-7"  # n-gram has no confidence head

@@ -85,8 +85,10 @@ def test_shipped_drafter_is_found_by_the_targets_fingerprint(smollm2):
     drafter = make_drafter("dspark", target=smollm2.model)
     assert drafter.has_confidence and drafter.calibration is not None and drafter.gamma == 7
     path = shipped_for(smollm2.model)
-    auto = make_drafter("auto", target=smollm2.model)
-    assert isinstance(auto, NGramDrafter) != auto_allowed(path)  # defaults.json decides, from measurements
+    for scheduled in (False, True):  # defaults.json decides, from measurements, where auto may pick it
+        auto = make_drafter("auto", target=smollm2.model, scheduled=scheduled)
+        assert isinstance(auto, NGramDrafter) != auto_allowed(path, scheduled)
+    assert auto_allowed(path, scheduled=True)  # the engine's async scheduler keeps it from costing (README)
     from helpers import hf_model, ours_from_hf
     with pytest.raises(DrafterError, match="no shipped DSpark drafter matches this target"):
         make_drafter("dspark", target=ours_from_hf(hf_model("llama")))

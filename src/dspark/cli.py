@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -33,10 +34,15 @@ def add_generate(sub) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="file whose whole content is the prompt")
     _add_model_args(p)
-    p.add_argument("--drafter", default="auto", help="auto (the shipped DSpark drafter for this model, else n-gram), "
-                   "dspark, ngram, none, or the path of a trained drafter; a DSpark drafter may end in @fp32 or @bf16 "
-                   "(its own products; default: bf16 where the CPU multiplies bf16 natively)")
+    p.add_argument("--drafter", default="auto", help="auto (the shipped DSpark drafter for this model where the "
+                   "policy schedules it, else n-gram), dspark, ngram, none, or the path of a trained drafter; a "
+                   "DSpark drafter may end in @fp32 or @bf16 (its own products; default: bf16 where the CPU "
+                   "multiplies bf16 natively)")
     p.add_argument("--gamma", type=int, default=7, help="draft block size (tokens proposed per round)")
+    p.add_argument("--policy", default="auto",
+                   help="how many drafts each step verifies: auto (the async scheduler for a drafter with a "
+                        "confidence head, else every draft), none, mtp1, fixed-<k>, sync, async, threshold; the "
+                        "schedulers measure this machine's speed profile once (minutes) and cache it")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the tokenizer's chat template (default: on)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -55,16 +61,18 @@ def run_generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_new_tokens=args.max_new_tokens)  # validated before the model loads
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
-    gen = TextGenerator(args.model, args.drafter, gamma=args.gamma, dtype=args.dtype)
+    gen = TextGenerator(args.model, args.drafter, gamma=args.gamma, dtype=args.dtype, policy=args.policy)
     stream = gen.stream(prompt, params, chat=args.chat)
     for piece in stream:
         if not args.json:
             print(piece, end="", flush=True)
     stats = stream.stats.to_dict()
     if args.json:
-        print(json.dumps({"model": args.model, "drafter": args.drafter, "text": stream.text, **stats}))
+        print(json.dumps({"model": args.model, "drafter": args.drafter, "drafter_used": gen.drafter_name,
+                          "policy": gen.policy_name, "text": stream.text, **stats}))
     else:
-        print(f"\n\n[{stats['new_tokens']} tokens, {stats['rounds']} rounds, tau {stats['tau']:.2f}, "
+        print(f"\n\n[{gen.drafter_name} drafter, {gen.policy_name} policy: {stats['new_tokens']} tokens, "
+              f"{stats['rounds']} steps, {stats['drafted']} drafts verified, tau {stats['tau']:.2f}, "
               f"{stats['tokens_per_s']:.1f} tok/s, ttft {stats['ttft_s'] * 1000:.0f} ms, "
               f"finish: {stats['finish_reason']}]", file=sys.stderr)
     return 0
@@ -294,11 +302,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrNotes(logging.Handler):
+    """Writes to whatever sys.stderr is when a note is emitted (not the stream of the first call)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"[dspark] {record.getMessage()}", file=sys.stderr)
+
+
+def show_progress_notes() -> None:
+    """The package's INFO notes (a profile being measured, a kernel falling back) on stderr."""
+    log = logging.getLogger("dspark")
+    if not any(isinstance(h, _StderrNotes) for h in log.handlers):
+        log.addHandler(_StderrNotes())
+    log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["simulate"]:
         return _simulate(argv[1:])
     args = build_parser().parse_args(argv)
+    show_progress_notes()
     try:
         return args.func(args)
     except KeyboardInterrupt:

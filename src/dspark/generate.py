@@ -1,12 +1,14 @@
 """Text in, streamed text out, for one request: the layer under `dspark generate`."""
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 from .decoding import SamplingParams
-from .drafters import make_drafter
-from .engine.speculative import Generation, GenerationStats, TransformerTarget
-from .models import load_model
+from .engine.engine import Engine
+from .engine.llm import LLM
+from .engine.request import Request
+from .engine.speculative import GenerationStats
 
 
 def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -20,40 +22,52 @@ def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
 
 
 class TextStream:
-    """Iterates over text pieces; holds back bytes that do not yet form a whole character."""
+    """Steps the engine until its one request finishes, yielding each step's new text (held back while a
+    multi-byte character is split across tokens); `stats` fills in as it runs."""
 
-    def __init__(self, generation: Generation, tokenizer):
-        self.generation, self.tokenizer = generation, tokenizer
-        self.tokens: list[int] = []
+    def __init__(self, engine: Engine, request: Request):
+        self.engine, self.request = engine, request
         self.text = ""
 
     @property
+    def tokens(self) -> list[int]:
+        return self.request.output
+
+    @property
     def stats(self) -> GenerationStats:
-        return self.generation.stats
+        r = self.request
+        end = r.finished_at or time.perf_counter()
+        return GenerationStats(prompt_tokens=len(r.prompt), new_tokens=len(r.output), rounds=r.rounds,
+                               drafted=r.drafted, accepted=r.accepted,
+                               ttft_s=(r.first_token_at or end) - r.arrival, total_s=end - r.arrival,
+                               finish_reason=r.finish_reason or "", accepted_per_round=list(r.accepted_hist))
 
     def __iter__(self) -> Iterator[str]:
-        for chunk in self.generation:
-            self.tokens.extend(chunk)
-            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-            if text.endswith("\ufffd"):
-                continue  # a multi-byte character split across tokens: wait for the rest
-            piece, self.text = text[len(self.text):], text
-            if piece:
-                yield piece
-        final = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if final != self.text:
-            piece, self.text = final[len(self.text):], final
-            yield piece
+        try:
+            while not self.request.finished:
+                for out in self.engine.step():
+                    if out.request is self.request and out.new_text:
+                        self.text += out.new_text
+                        yield out.new_text
+        finally:
+            if not self.request.finished:  # the consumer stopped early (or Ctrl-C): free the request's KV
+                self.engine.abort(self.request.request_id)
+                self.engine.step()
+        if self.request.finish_reason == "error":
+            raise RuntimeError(f"generation failed: {self.request.error}")
 
 
 class TextGenerator:
-    def __init__(self, model: str, drafter: str | None = "auto", gamma: int = 7, dtype: str = "float32"):
-        self.loaded = load_model(model, dtype=dtype)
-        self.drafter = make_drafter(drafter, target=self.loaded.model, gamma=gamma)
-        layers = self.drafter.needs_layers if self.drafter is not None else ()
-        self.target = TransformerTarget(self.loaded.model, hidden_layers=layers)
+    """One prompt at a time through the batched engine, so the verification policy (by default the async
+    scheduler where the drafter has a confidence head) decides each step how many drafts are worth verifying."""
+
+    def __init__(self, model: str, drafter: str | None = "auto", gamma: int = 7, dtype: str = "float32",
+                 policy: str = "auto"):
+        self.llm = LLM(model=model, drafter=drafter, policy=policy, gamma=gamma, dtype=dtype)
+        self.drafter, self.policy = self.llm.drafter, self.llm.policy
+        self.drafter_name = "none" if self.drafter is None else self.drafter.name
+        self.policy_name = self.policy.name
 
     def stream(self, prompt: str, params: SamplingParams, chat: bool = True) -> TextStream:
-        ids = prompt_ids(self.loaded.tokenizer, prompt, chat)
-        generation = Generation(self.target, self.drafter, ids, params, self.loaded.eos_ids)
-        return TextStream(generation, self.loaded.tokenizer)
+        request = self.llm.engine.add_request(prompt_ids(self.llm.tokenizer, prompt, chat), params)
+        return TextStream(self.llm.engine, request)

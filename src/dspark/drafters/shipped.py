@@ -5,9 +5,12 @@ A checkpoint records its target's fingerprint (shapes and an embedding signature
 from the loaded target itself, whatever name or path it was loaded by.
 
     dspark   the shipped DSpark drafter for this target (an error listing what is shipped when there is none)
-    auto     the shipped drafter when there is one for this target and it is faster than n-gram lookup, else
-             n-gram prompt lookup. `shipped/defaults.json` records, per shipped drafter, whether `auto` may pick it
-             and the measurement behind that choice (a drafter slower than plain decoding is never a default).
+    auto     the shipped drafter when there is one for this target and it pays where it will run, else n-gram
+             prompt lookup. `shipped/defaults.json` records, per shipped drafter, when `auto` may pick it and the
+             measurement behind that choice: `true` (always), `false` (never), or `"scheduled"` — only where a
+             confidence-scheduled policy (async, sync) decides per step whether its drafts are worth verifying
+             (the engine, the server, `dspark generate`), not where every draft is verified (`Generation`). The
+             caller says which with ``scheduled=True``.
 """
 from __future__ import annotations
 
@@ -21,11 +24,18 @@ SHIPPED_DIR = Path(__file__).parent / "shipped"
 DEFAULTS = SHIPPED_DIR / "defaults.json"
 
 
-def auto_allowed(path: Path) -> bool:
-    """Whether `auto` may pick this shipped drafter (defaults.json; absent entry = yes)."""
+AUTO_MODES = (True, False, "scheduled")
+
+
+def auto_allowed(path: Path, scheduled: bool = False) -> bool:
+    """Whether `auto` may pick this shipped drafter (defaults.json; absent entry = yes), given whether a
+    confidence-scheduled policy will drive it."""
     if not DEFAULTS.is_file():
         return True
-    return bool(json.loads(DEFAULTS.read_text()).get(path.name, {}).get("auto", True))
+    mode = json.loads(DEFAULTS.read_text()).get(path.name, {}).get("auto", True)
+    if not any(mode is m or (isinstance(m, str) and mode == m) for m in AUTO_MODES):
+        raise DrafterError(f"{DEFAULTS}: 'auto' of {path.name} must be true, false or \"scheduled\", got {mode!r}")
+    return mode is True or (mode == "scheduled" and scheduled)
 
 
 def shipped_dirs() -> list[Path]:
@@ -63,11 +73,11 @@ def shipped_dspark(target=None, gamma: int | None = None, **options):
 
 
 @register_drafter("auto")
-def auto_drafter(target=None, gamma: int | None = None, **options):
+def auto_drafter(target=None, gamma: int | None = None, scheduled: bool = False, **options):
     from .dspark import load_dspark
     from .ngram import NGramDrafter
 
     path = shipped_for(target)
-    if path is not None and auto_allowed(path):
+    if path is not None and auto_allowed(path, scheduled):
         return load_dspark(path, target, gamma, **options)
     return NGramDrafter(target=target, **({} if gamma is None else {"gamma": gamma}))

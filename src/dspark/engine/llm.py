@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from ..decoding import SamplingParams
 from ..drafters import make_drafter
+from ..drafters.base import split_precision
 from ..models import DEFAULT_MODEL, load_model
 from ..scheduling.registry import base_name, make_policy
 from .engine import Engine, EngineConfig
@@ -20,6 +21,16 @@ class Completion:
     usage: dict
     speculative: dict
     error: str | None = None
+
+
+SCHEDULED_POLICIES = ("auto", "sync", "async", "async-online")  # decide per step whether drafts are worth verifying
+
+
+def drafter_options(drafter: str | None, policy: str) -> dict:
+    """`auto` may pick a drafter that pays only when a confidence-scheduled policy drives it (drafters/shipped.py)."""
+    if drafter is None or split_precision(drafter)[0] != "auto":
+        return {}
+    return {"scheduled": base_name(policy) in SCHEDULED_POLICIES}
 
 
 def build_policy(name: str, drafter, model_id: str, dtype: str, model, gamma: int, threshold: float = 0.5):
@@ -49,7 +60,8 @@ class LLM:
                  gamma: int = 7, dtype: str = "float32", **engine_options):
         self.loaded = load_model(model, dtype=dtype)
         self.tokenizer = self.loaded.tokenizer
-        self.drafter = make_drafter(drafter, target=self.loaded.model, gamma=gamma)
+        self.drafter = make_drafter(drafter, target=self.loaded.model, gamma=gamma,
+                                    **drafter_options(drafter, policy))
         self.policy = build_policy(policy, self.drafter, model, dtype, self.loaded.model, gamma)
         self.engine = Engine(self.loaded.model, self.tokenizer, self.drafter, self.policy, self.loaded.eos_ids,
                              EngineConfig(gamma=gamma, **engine_options))

@@ -6,6 +6,7 @@ the steps the scheduler compares directly: R requests of k tokens each (k = 1: p
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ PROFILE_REQUESTS = (1, 2, 4, 8, 16, 32)  # drafting cost: one propose() for R re
 CONTEXT = 256
 TOKENS_PER_REQUEST = 4  # a typical steady-state request verifies its anchor plus a few drafts
 GRID_TOKENS = (1, 2, 4, 8)  # tokens per request in the (R, k) grid: plain, and 1, 3 or 7 drafts (γ = 7)
+log = logging.getLogger("dspark")
 
 
 def _split(b: int) -> list[int]:
@@ -116,6 +118,8 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
     With a drafter, its drafting cost against the number of requests is measured too (key it by
     `drafter.profile_id`)."""
     def measure() -> SpeedProfile:
+        log.info("measuring this machine's speed profile for the scheduler (once, a few minutes; cached at %s)",
+                 path)
         extra = {} if drafter is None else {"draft_fn": drafter_step_fn(model, drafter),
                                             "shallow_draft_fn": drafter_step_fn(model, drafter, depth=1),
                                             "draft_depth": drafter.gamma, "request_counts": PROFILE_REQUESTS}

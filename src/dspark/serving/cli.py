@@ -15,8 +15,8 @@ def add_serve(sub) -> None:
                                    "with speculative decoding. Stops gracefully on SIGTERM.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf file, hub id, or an embedded name")
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
-    p.add_argument("--drafter", default="auto", help="auto (the shipped DSpark drafter for this model, else n-gram), "
-                   "dspark, ngram, none, or the path of a trained drafter; a DSpark drafter may end in @fp32 or @bf16 "
+    p.add_argument("--drafter", default="auto", help="auto (the shipped DSpark drafter for this model where the "
+                   "policy schedules it, else n-gram), dspark, ngram, none, or the path of a trained drafter; a DSpark drafter may end in @fp32 or @bf16 "
                    "(its own products; default: bf16 where the CPU multiplies bf16 natively)")
     p.add_argument("--policy", default="auto",
                    help="verification policy: auto, none, mtp1, fixed-<k>, sync, async, async-online, threshold; "
