@@ -136,7 +136,7 @@ def test_cache_round_trip(tmp_path):
     back = load_cached_profile(path, KEY)
     assert back == PROF
     assert back.step_s(40) == PROF.step_s(40)
-    assert json.loads(path.read_text())["version"] == 4
+    assert json.loads(path.read_text())["version"] == 5
     deep = SpeedProfile(PROF.tokens, PROF.seconds, PROF.draft_requests, PROF.draft_seconds, key=KEY,
                         shallow_draft_seconds=(0.01, 0.05), draft_depth=7)
     assert load_cached_profile(save_profile(deep, tmp_path / "deep.json"), KEY) == deep
@@ -190,12 +190,23 @@ def test_measure_profile_times_the_grid_interleaved_with_the_table():
         order.append(("grid", r, k))
         now[0] += 1e-3 * (10 * r + k)
 
+    def draft(depth):
+        def run(r):
+            order.append(("draft", depth, r))
+            now[0] += 1e-4 * (depth * 10 + r)
+        return run
+
     prof = measure_profile(step, [1, 4], repeats=2, warmup=0, grid_fn=grid, grid_requests=[2, 1],
-                           grid_tokens=[4, 1], timer=timer)
+                           grid_tokens=[4, 1], draft_fn=draft(7), shallow_draft_fn=draft(1), draft_depth=7,
+                           request_counts=[2, 1], timer=timer)
     assert prof.seconds == pytest.approx((1e-3, 4e-3))
     assert prof.grid_requests == (1, 2) and prof.grid_tokens == (1, 4)
     np.testing.assert_allclose(prof.grid_seconds, [[11e-3, 14e-3], [21e-3, 24e-3]])
-    one_round = [("table", 1), ("table", 4), ("grid", 1, 1), ("grid", 1, 4), ("grid", 2, 1), ("grid", 2, 4)]
+    assert prof.draft_requests == (1, 2) and prof.draft_seconds == pytest.approx((71e-4, 72e-4))
+    assert prof.shallow_draft_seconds == pytest.approx((11e-4, 12e-4))
+    # every round times the table, the grid and the drafter once each, so drift cannot tilt one against another
+    one_round = [("table", 1), ("table", 4), ("grid", 1, 1), ("grid", 1, 4), ("grid", 2, 1), ("grid", 2, 4),
+                 ("draft", 7, 1), ("draft", 7, 2), ("draft", 1, 1), ("draft", 1, 2)]
     assert order == one_round * 2
 
 

@@ -1,7 +1,9 @@
 """`dspark bench runtime`: batch-1 decoding speed of our runtime vs transformers, and the forward speed curve.
 
-All four systems run side by side in one process, interleaved per prompt so machine noise hits them alike:
-HF `generate` (fp32) vs our plain decoding, HF prompt-lookup assisted generation vs our n-gram speculation.
+All systems run side by side in one process, interleaved per prompt so machine noise hits them alike:
+HF `generate` (fp32) vs our plain decoding, HF prompt-lookup assisted generation vs our n-gram speculation, and
+the batched engine with one request, as `dspark generate` runs it: plain (`--drafter none`: the engine's own cost
+at batch 1) and with its defaults (`--drafter auto --policy auto`).
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 
 from ..decoding import SamplingParams
 from ..drafters import make_drafter
+from ..engine.engine import Engine
+from ..engine.llm import build_policy
 from ..engine.speculative import Generation, TransformerTarget
 from ..generate import prompt_ids
 from ..models import Segment, load_model
@@ -45,6 +49,25 @@ def _ours(target, drafter, ids, temperature, max_new, eos, seed) -> dict:
     return {"tokens": s.new_tokens, "seconds": s.total_s, "tau": s.tau if drafter else 1.0}
 
 
+def _engine(engine: Engine, ids, temperature, max_new, seed) -> dict:
+    req = engine.add_request(ids, SamplingParams(temperature=temperature, max_new_tokens=max_new, seed=seed))
+    while not req.finished:
+        engine.step()
+    if req.finish_reason == "error":
+        raise RuntimeError(f"engine request failed: {req.error}")
+    return {"tokens": len(req.output), "seconds": req.finished_at - req.arrival, "tau": req.tau}
+
+
+def generate_engines(cfg: RuntimeBenchConfig, loaded) -> dict[str, Engine]:
+    """`dspark generate`'s engine with --drafter none, and with its defaults (auto drafter, auto policy)."""
+    auto = make_drafter("auto", target=loaded.model, gamma=7, scheduled=True)
+    policy = build_policy("auto", auto, cfg.model, cfg.dtype, loaded.model, 7)
+    return {"engine plain": Engine(loaded.model, loaded.tokenizer, None, build_policy("none", None, cfg.model,
+                                                                                      cfg.dtype, loaded.model, 7),
+                                   loaded.eos_ids),
+            f"engine {auto.name} {policy.name}": Engine(loaded.model, loaded.tokenizer, auto, policy, loaded.eos_ids)}
+
+
 def _hf(model, ids, temperature, max_new, lookup: bool, seed) -> dict:
     torch.manual_seed(seed)
     kwargs = dict(max_new_tokens=max_new, do_sample=temperature > 0, pad_token_id=model.config.eos_token_id)
@@ -62,6 +85,7 @@ def _hf(model, ids, temperature, max_new, lookup: bool, seed) -> dict:
 def decode_benchmark(cfg: RuntimeBenchConfig, loaded, hf_model) -> list[dict]:
     target = TransformerTarget(loaded.model)
     ngram = make_drafter("ngram", target=loaded.model, gamma=7)
+    engines = generate_engines(cfg, loaded)
     prompts = load_bench_prompts(cfg.sets, cfg.per_set)
     runs = []
     for temperature in cfg.temperatures:
@@ -71,6 +95,8 @@ def decode_benchmark(cfg: RuntimeBenchConfig, loaded, hf_model) -> list[dict]:
                                                    loaded.eos_ids, i),
                        "ours ngram": lambda: _ours(target, ngram, ids, temperature, cfg.max_new_tokens,
                                                    loaded.eos_ids, i)}
+            for name, engine in engines.items():
+                systems[name] = (lambda e: lambda: _engine(e, ids, temperature, cfg.max_new_tokens, i))(engine)
             if hf_model is not None:
                 systems["hf generate"] = lambda: _hf(hf_model, ids, temperature, cfg.max_new_tokens, False, i)
                 systems["hf prompt lookup"] = lambda: _hf(hf_model, ids, temperature, cfg.max_new_tokens, True, i)
@@ -125,8 +151,10 @@ def _ratios(summary: list[dict]) -> list[list]:
     rows = []
     for t in sorted({s["temperature"] for s in summary}):
         by = {s["system"]: s["median_tokens_per_s"] for s in summary if s["temperature"] == t}
+        engines = [name for name in by if name.startswith("engine ")]
         for ours, theirs in (("ours plain", "hf generate"), ("ours ngram", "hf prompt lookup"),
-                             ("ours ngram", "ours plain")):
+                             ("ours ngram", "ours plain"), *((e, "ours plain") for e in engines),
+                             *((e, "ours ngram") for e in engines if e != "engine plain")):
             if ours in by and theirs in by:
                 rows.append([t, f"{ours} / {theirs}", by[ours] / by[theirs]])
     return rows

@@ -251,7 +251,8 @@ def measure_profile(
     With ``one_segment_fn`` (the same B tokens as one request) and the ``tokens_per_segment`` split ``step_fn``
     uses, the largest B is timed both ways too, giving ``segment_seconds``: what one more request costs.
     With ``shallow_draft_fn`` (one drafting step at depth 1) and the full depth ``draft_depth`` of ``draft_fn``,
-    drafting is timed at both depths (interleaved like the rest), so the scheduler can price shallow drafting.
+    drafting is timed at both depths (in the same rounds as the target's steps), so the scheduler can price
+    shallow drafting.
     With ``grid_fn(R, k)`` (R requests verifying k tokens each) every ``grid_requests`` × ``grid_tokens`` pair is
     timed too, interleaved with the table, giving the grid ``step_s`` prefers.
     """
@@ -276,17 +277,21 @@ def measure_profile(
     g_req = sorted({int(r) for r in grid_requests}) if grid_fn is not None else []
     g_tok = sorted({int(k) for k in grid_tokens}) if g_req else []
     grid_jobs = [(functools.partial(grid_fn, r), k) for r in g_req for k in g_tok]
+    reqs: list[int] = sorted({int(r) for r in request_counts}) if draft_fn is not None else []
+    shallow = shallow_draft_fn is not None and draft_fn is not None and draft_depth >= 2
+    draft_jobs = [(draft_fn, r) for r in reqs] + ([(shallow_draft_fn, r) for r in reqs] if shallow else [])
+    # Drafting is timed in the same rounds as the target's steps: the scheduler weighs one against the other, so
+    # a slow phase must not land on one block of them only; and each proposal then follows a target forward, as
+    # in the engine, where the target has just pushed the drafter's weights out of the caches.
     seconds = median_times([(step_fn, b) for b in tokens] + ([(one_segment_fn, tokens[-1])] if split_both else [])
-                           + grid_jobs)
+                           + grid_jobs + draft_jobs)
+    first_draft = len(seconds) - len(draft_jobs)
+    dsec, seconds = seconds[first_draft:], seconds[:first_draft]
+    dsec, shallow_sec = dsec[:len(reqs)], dsec[len(reqs):]
     grid_flat = [seconds.pop(len(tokens) + split_both) for _ in grid_jobs]
     grid = tuple(tuple(grid_flat[i * len(g_tok):(i + 1) * len(g_tok)]) for i in range(len(g_req)))
     one_request = seconds.pop() if split_both else 0.0
     seg_s = max(0.0, (seconds[-1] - one_request) / (segments - 1)) if split_both else 0.0
-    reqs: list[int] = sorted({int(r) for r in request_counts}) if draft_fn is not None else []
-    shallow = shallow_draft_fn is not None and draft_fn is not None and draft_depth >= 2
-    dsec = median_times([(draft_fn, r) for r in reqs] + ([(shallow_draft_fn, r) for r in reqs] if shallow else [])) \
-        if draft_fn is not None else []
-    dsec, shallow_sec = dsec[:len(reqs)], dsec[len(reqs):]
     return SpeedProfile(tuple(tokens), tuple(seconds), tuple(reqs), tuple(dsec), key=key, source="measured",
                         segment_seconds=seg_s, tokens_per_segment=tokens_per_segment if split_both else 0,
                         shallow_draft_seconds=tuple(shallow_sec), draft_depth=draft_depth if shallow else 0,
