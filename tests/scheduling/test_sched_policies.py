@@ -229,6 +229,16 @@ def test_registry_names_and_unknown_name():
     assert make_policy("none").prepare(5) is False
 
 
+def test_every_policy_says_whether_the_load_sets_a_requests_length():
+    # /health reports it: under a load-dependent policy a seeded sampled request repeats only under the same load
+    sps = SpeedProfile((1, 8), (0.01, 0.02))
+    for policy in (make_policy("none"), make_policy("mtp1"), make_policy("fixed-3"),
+                   make_policy("threshold", threshold=0.5)):
+        assert policy.load_dependent is False
+    for name in ("sync", "async", "async-online"):
+        assert make_policy(name, sps=sps).load_dependent is True
+
+
 def test_confidence_free_error_names_working_policies():
     with pytest.raises(ConfidenceRequiredError) as e:
         make_policy("sync", sps=lambda b: 1.0, confidence_available=False)

@@ -37,6 +37,7 @@ def test_load_and_faults():
         print(to_markdown(report), f"\nPython objects grown: {grown}")
         assert s["valid_5xx"] == 0 and s["crashes"] == 0 and s["stream_error_events"] == 0, report["problems"]
         assert s["stream_vs_plain_mismatches"] == 0, report["problems"]
+        assert s["server_policy"] == "fixed-4" and s["sampled_replays_not_compared"] == 0  # all compared
         assert s["malformed_expected_status"] == s["malformed_sent"] > 0, report["problems"]
         assert s["hangups"] > 0 and s["streams_completed"] > 20 and s["valid_other_4xx"] == 0
         assert s["kv_clean_after_each_round"] and engine_idle(srv)

@@ -81,7 +81,9 @@ def test_models_health_and_metrics(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     with urllib.request.urlopen(f"{server.url}/health") as r:
-        assert json.loads(r.read())["status"] == "ok"
+        health = json.loads(r.read())
+    assert health["status"] == "ok" and health["drafter"] == "ngram" and health["policy"] == "fixed-4"
+    assert health["load_dependent_policy"] is False  # a seeded sampled request repeats whatever the load
     client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)
     with urllib.request.urlopen(f"{server.url}/metrics") as r:
         assert r.headers["Content-Type"].startswith("text/plain")

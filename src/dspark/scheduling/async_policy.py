@@ -72,6 +72,7 @@ class AsyncPolicy:
 
     needs_confidence = True
     drafts = True
+    load_dependent = True  # K comes from the batch's confidences and the price of a step at its size
 
     def __init__(self, sps: SPS, lag: int = 2, probe_every: int = 8, max_probe_every: int = 64,
                  pool_requests: int = 8, pool_steps: int = 8, online_calibration: bool = False,

@@ -46,6 +46,7 @@ class FixedPolicy:
 
     k: int
     needs_confidence = False
+    load_dependent = False  # how many drafts a request verifies never depends on the other requests
 
     @property
     def name(self) -> str:
@@ -83,6 +84,7 @@ class SyncPolicy(_ChoosesAfterDrafting):
 
     sps: SPS
     unsafe: bool = False
+    load_dependent = True  # the batch's confidences and the step's price set every request's length
 
     @property
     def name(self) -> str:
@@ -98,6 +100,7 @@ class ThresholdPolicy(_ChoosesAfterDrafting):
 
     threshold: float
     cumulative: bool = False
+    load_dependent = False  # each request's own confidences alone set its length
 
     @property
     def name(self) -> str:

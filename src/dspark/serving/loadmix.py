@@ -29,6 +29,7 @@ class Tally:
     malformed_ok: int = 0  # answered with the expected 4xx status
     mismatches: int = 0
     replayed: int = 0  # completed streams re-asked without streaming (not counted in `served`)
+    replay_skipped: int = 0  # sampled streams not compared: the server's policy depends on the load
     problems: list = field(default_factory=list)  # the first few details, for the report
     latencies: list = field(default_factory=list)
 

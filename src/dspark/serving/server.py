@@ -152,8 +152,13 @@ async def health(request: Request) -> Response:
     state: ServerState = request.app.state.dspark
     if not state.engine.thread.is_alive() or state.draining:
         return JSONResponse({"status": "draining" if state.draining else "engine_stopped"}, status_code=503)
+    engine = state.llm.engine
     return JSONResponse({"status": "ok", "last_engine_error": None if state.engine.error is None
-                         else repr(state.engine.error)})
+                         else repr(state.engine.error),
+                         "drafter": None if engine.drafter is None else engine.drafter.name,
+                         "policy": engine.policy.name,
+                         # under a load-dependent policy a seeded sampled request repeats only under the same load
+                         "load_dependent_policy": bool(getattr(engine.policy, "load_dependent", True))})
 
 
 async def metrics(request: Request) -> Response:
