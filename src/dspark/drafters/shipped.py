@@ -24,16 +24,13 @@ SHIPPED_DIR = Path(__file__).parent / "shipped"
 DEFAULTS = SHIPPED_DIR / "defaults.json"
 
 
-AUTO_MODES = (True, False, "scheduled")
-
-
 def auto_allowed(path: Path, scheduled: bool = False) -> bool:
     """Whether `auto` may pick this shipped drafter (defaults.json; absent entry = yes), given whether a
     confidence-scheduled policy will drive it."""
     if not DEFAULTS.is_file():
         return True
     mode = json.loads(DEFAULTS.read_text()).get(path.name, {}).get("auto", True)
-    if not any(mode is m or (isinstance(m, str) and mode == m) for m in AUTO_MODES):
+    if not (mode is True or mode is False or mode == "scheduled"):
         raise DrafterError(f"{DEFAULTS}: 'auto' of {path.name} must be true, false or \"scheduled\", got {mode!r}")
     return mode is True or (mode == "scheduled" and scheduled)
 

@@ -16,8 +16,9 @@ def add_serve(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf file, hub id, or an embedded name")
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
     p.add_argument("--drafter", default="auto", help="auto (the shipped DSpark drafter for this model where the "
-                   "policy schedules it, else n-gram), dspark, ngram, none, or the path of a trained drafter; a DSpark drafter may end in @fp32 or @bf16 "
-                   "(its own products; default: bf16 where the CPU multiplies bf16 natively)")
+                   "policy schedules it, else n-gram), dspark, ngram, none, or the path of a trained drafter; a "
+                   "DSpark drafter may end in @fp32 or @bf16 (its own products; default: bf16 where the CPU "
+                   "multiplies bf16 natively)")
     p.add_argument("--policy", default="auto",
                    help="verification policy: auto, none, mtp1, fixed-<k>, sync, async, async-online, threshold; "
                         "options may follow the name, e.g. async:min_gain=0.01")
