@@ -64,6 +64,14 @@ def test_generate_through_the_engine_equals_plain_greedy_decoding(smollm2, gener
     assert 0 < stats.ttft_s <= stats.total_s
 
 
+def test_generate_repeats_a_seeded_sampled_request(generator):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=7, max_new_tokens=24)
+    first = generator.stream("Describe a harbour at dawn.", params)
+    text = "".join(first)  # run to the end before the second request joins the engine
+    second = generator.stream("Describe a harbour at dawn.", params)
+    assert text == "".join(second) and first.tokens == second.tokens and first.stats.drafted > 0
+
+
 def test_a_stream_left_early_frees_its_request(generator):
     engine = generator.llm.engine
     stream = generator.stream("Write a long story about a lighthouse.", SamplingParams(max_new_tokens=200))

@@ -18,6 +18,7 @@ from ..drafters import make_drafter
 from ..engine.engine import Engine
 from ..engine.llm import build_policy
 from ..engine.speculative import Generation, TransformerTarget
+from ..scheduling.registry import make_policy
 from ..generate import prompt_ids
 from ..models import Segment, load_model
 from .common import load_bench_prompts, machine_info, markdown_table, median, write_results
@@ -62,9 +63,7 @@ def generate_engines(cfg: RuntimeBenchConfig, loaded) -> dict[str, Engine]:
     """`dspark generate`'s engine with --drafter none, and with its defaults (auto drafter, auto policy)."""
     auto = make_drafter("auto", target=loaded.model, gamma=7, scheduled=True)
     policy = build_policy("auto", auto, cfg.model, cfg.dtype, loaded.model, 7)
-    return {"engine plain": Engine(loaded.model, loaded.tokenizer, None, build_policy("none", None, cfg.model,
-                                                                                      cfg.dtype, loaded.model, 7),
-                                   loaded.eos_ids),
+    return {"engine plain": Engine(loaded.model, loaded.tokenizer, None, make_policy("none"), loaded.eos_ids),
             f"engine {auto.name} {policy.name}": Engine(loaded.model, loaded.tokenizer, auto, policy, loaded.eos_ids)}
 
 
