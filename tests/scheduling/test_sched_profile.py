@@ -136,7 +136,7 @@ def test_cache_round_trip(tmp_path):
     back = load_cached_profile(path, KEY)
     assert back == PROF
     assert back.step_s(40) == PROF.step_s(40)
-    assert json.loads(path.read_text())["version"] == 5
+    assert json.loads(path.read_text())["version"] == 6
     deep = SpeedProfile(PROF.tokens, PROF.seconds, PROF.draft_requests, PROF.draft_seconds, key=KEY,
                         shallow_draft_seconds=(0.01, 0.05), draft_depth=7)
     assert load_cached_profile(save_profile(deep, tmp_path / "deep.json"), KEY) == deep
@@ -208,6 +208,47 @@ def test_measure_profile_times_the_grid_interleaved_with_the_table():
     one_round = [("table", 1), ("table", 4), ("grid", 1, 1), ("grid", 1, 4), ("grid", 2, 1), ("grid", 2, 4),
                  ("draft", 7, 1), ("draft", 7, 2), ("draft", 1, 1), ("draft", 1, 2)]
     assert order == one_round * 2
+
+
+def test_cheap_jobs_get_more_samples_in_sub_rounds():
+    # A 10 ms step fits 3 samples in 35 ms, a 40 ms one 1; the cap holds a 1 ms one to 4. Extra samples come in
+    # sub-rounds over all cheap jobs, never back to back, so drift still lands on every job alike.
+    now, order = [0.0], []
+    cost = {1: 1e-3, 2: 10e-3, 3: 40e-3}
+
+    def timer():
+        return now[0]
+
+    def step(b):
+        order.append(b)
+        now[0] += cost[b]
+
+    prof = measure_profile(step, [1, 2, 3], repeats=2, warmup=1, timer=timer, min_job_seconds=0.035,
+                           max_samples_per_round=4)
+    one_round = [1, 2, 3, 1, 2, 1, 2, 1]
+    assert order == [1, 1, 2, 2, 3, 3] + one_round * 2  # two warm-up calls each: the fastest sets the count
+    assert prof.seconds == pytest.approx((1e-3, 10e-3, 40e-3))
+    with pytest.raises(ValueError, match="max_samples_per_round"):
+        measure_profile(step, [1], max_samples_per_round=0)
+
+
+def test_shuffled_rounds_visit_every_job_once_in_changing_orders():
+    now, order = [0.0], []
+
+    def timer():
+        return now[0]
+
+    def step(b):
+        order.append(b)
+        now[0] += 1e-3 * b
+
+    prof = measure_profile(step, [1, 2, 3, 4], repeats=6, warmup=0, timer=timer, shuffle_seed=0)
+    rounds = [tuple(order[i:i + 4]) for i in range(0, 24, 4)]
+    assert all(sorted(r) == [1, 2, 3, 4] for r in rounds) and len(set(rounds)) > 1
+    assert prof.seconds == pytest.approx((1e-3, 2e-3, 3e-3, 4e-3))
+    order.clear()
+    measure_profile(step, [1, 2, 3, 4], repeats=6, warmup=0, timer=timer, shuffle_seed=0)
+    assert [tuple(order[i:i + 4]) for i in range(0, 24, 4)] == rounds  # seeded: the same orders again
 
 
 def test_drafting_cost_is_linear_in_depth_between_the_two_tables():

@@ -22,6 +22,7 @@ PROFILE_REQUESTS = (1, 2, 4, 8, 16, 32)  # drafting cost: one propose() for R re
 CONTEXT = 256
 TOKENS_PER_REQUEST = 4  # a typical steady-state request verifies its anchor plus a few drafts
 GRID_TOKENS = (1, 2, 4, 8)  # tokens per request in the (R, k) grid: plain, and 1, 3 or 7 drafts (γ = 7)
+MIN_JOB_SECONDS = 0.1  # steps cheaper than this get up to 4 samples per round (the low-load ones that decide)
 log = logging.getLogger("dspark")
 
 
@@ -127,7 +128,8 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
         return measure_profile(target_step_fn(model, caches=caches), PROFILE_TOKENS, repeats=repeats, key=key,
                                one_segment_fn=target_step_fn(model, one_segment=True, caches=caches),
                                tokens_per_segment=TOKENS_PER_REQUEST, grid_fn=grid_step_fn(model, caches),
-                               grid_requests=PROFILE_REQUESTS, grid_tokens=GRID_TOKENS, **extra)
+                               grid_requests=PROFILE_REQUESTS, grid_tokens=GRID_TOKENS,
+                               min_job_seconds=MIN_JOB_SECONDS, shuffle_seed=0, **extra)
 
     path = profile_path(key)
     if force and path.exists():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
@@ -99,6 +100,22 @@ def _interp(x, xs: np.ndarray, ys: np.ndarray, linear_above: bool):
         slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
         y = np.where(xa > xs[-1], ys[-1] + slope * (xa - xs[-1]), y)
     return float(y) if y.ndim == 0 else y
+
+
+def _samples_per_round(fn: Callable[[int], object], n: int, warmup: int, min_seconds: float, cap: int,
+                       timer: Callable[[], float]) -> int:
+    """Run ``fn(n)`` ``warmup`` times (at least twice when sampling by time); how many samples of it fit in
+    ``min_seconds`` (1..cap), judged by the fastest warm-up call: the first call of a job is often its slowest
+    (one 30 ms step's took 50 ms and left it a single sample per round)."""
+    calls = max(warmup, 2) if min_seconds > 0 else warmup
+    fastest = float("inf")
+    for _ in range(calls):
+        t0 = timer()
+        fn(n)
+        fastest = min(fastest, timer() - t0)
+    if min_seconds <= 0:
+        return 1
+    return int(min(cap, max(1, min_seconds // max(fastest, 1e-9))))
 
 
 @dataclass(frozen=True)
@@ -239,6 +256,9 @@ def measure_profile(
     grid_tokens: Iterable[int] = (),
     key: ProfileKey | None = None,
     timer: Callable[[], float] = time.perf_counter,
+    min_job_seconds: float = 0.0,
+    max_samples_per_round: int = 4,
+    shuffle_seed: int | None = None,
 ) -> SpeedProfile:
     """Time ``step_fn(B)`` for each B (median of ``repeats`` after ``warmup`` untimed calls).
 
@@ -255,20 +275,35 @@ def measure_profile(
     shallow drafting.
     With ``grid_fn(R, k)`` (R requests verifying k tokens each) every ``grid_requests`` × ``grid_tokens`` pair is
     timed too, interleaved with the table, giving the grid ``step_s`` prefers.
+    With ``min_job_seconds`` a job cheaper than that is timed up to ``max_samples_per_round`` times per round
+    (as many as fit, judged by its warm-up calls), in sub-rounds over all such jobs: the cheap one-request
+    steps are the ones whose ratios decide whether drafting pays at low load, and 9 samples of a 30 ms step left
+    the same step priced 36 and 44 ms in two cells of one profile, and a 2-token step 1.23x a 1-token one where
+    the engine ran it at ~1.12x (scripts/step_order_cost.py).
+    With ``shuffle_seed`` each (sub-)round visits its jobs in a fresh seeded random order: a step's time depends
+    on the step before it (scripts/step_order_cost.py), and in a fixed order each job always follows the same
+    neighbour, a bias no number of repeats removes.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if not (min_job_seconds >= 0) or max_samples_per_round < 1:
+        raise ValueError(f"min_job_seconds must be >= 0 and max_samples_per_round >= 1, got {min_job_seconds!r}, "
+                         f"{max_samples_per_round!r}")
 
     def median_times(jobs: list[tuple[Callable[[int], object], int]]) -> list[float]:
-        for fn, n in jobs:
-            for _ in range(warmup):
-                fn(n)
+        reps = [_samples_per_round(fn, n, warmup, min_job_seconds, max_samples_per_round, timer) for fn, n in jobs]
         times: list[list[float]] = [[] for _ in jobs]
+        rng = random.Random(shuffle_seed)
         for _ in range(repeats):
-            for (fn, n), ts in zip(jobs, times):
-                t0 = timer()
-                fn(n)
-                ts.append(timer() - t0)
+            for sub in range(max(reps)):  # sub-rounds keep a cheap job's extra samples spread over the round
+                visit = [j for j, k in enumerate(reps) if sub < k]
+                if shuffle_seed is not None:
+                    rng.shuffle(visit)
+                for j in visit:
+                    fn, n = jobs[j]
+                    t0 = timer()
+                    fn(n)
+                    times[j].append(timer() - t0)
         return [float(np.median(ts)) for ts in times]
 
     tokens = sorted({int(b) for b in token_counts})
