@@ -86,3 +86,12 @@ def test_a_prompt_longer_than_the_context_is_refused_before_it_runs(generator):
     with pytest.raises(ValueError, match="context window"):
         generator.stream("word " * 9000, SamplingParams(max_new_tokens=4))
     assert not generator.llm.engine.has_unfinished()
+
+
+def test_two_streams_on_one_engine_each_get_all_their_text(generator):
+    params = (SamplingParams(temperature=0.0, max_new_tokens=4), SamplingParams(temperature=0.0, max_new_tokens=16))
+    prompts = ("Name three rivers.", "Name three mountains.")
+    alone = ["".join(generator.stream(p, sp)) for p, sp in zip(prompts, params)]
+    short, long_ = (generator.stream(p, sp) for p, sp in zip(prompts, params))
+    long_text = "".join(long_)  # steps the engine until both finish: `short` never steps it itself
+    assert short.request.finished and "".join(short) == alone[0] and long_text == alone[1]

@@ -43,12 +43,17 @@ class TextStream:
                                finish_reason=r.finish_reason or "", accepted_per_round=list(r.accepted_hist))
 
     def __iter__(self) -> Iterator[str]:
+        # Reads the request's own text rather than the step's outputs: another stream on the same engine may have
+        # run the step that advanced (or finished) this request.
         try:
-            while not self.request.finished:
-                for out in self.engine.step():
-                    if out.request is self.request and out.new_text:
-                        self.text += out.new_text
-                        yield out.new_text
+            while True:
+                new = self.request.text[len(self.text):]
+                if new:
+                    self.text += new
+                    yield new
+                if self.request.finished:
+                    break
+                self.engine.step()
         finally:
             if not self.request.finished:  # the consumer stopped early (or Ctrl-C): free the request's KV
                 self.engine.abort(self.request.request_id)

@@ -136,7 +136,7 @@ def test_cache_round_trip(tmp_path):
     back = load_cached_profile(path, KEY)
     assert back == PROF
     assert back.step_s(40) == PROF.step_s(40)
-    assert json.loads(path.read_text())["version"] == 6
+    assert json.loads(path.read_text())["version"] == 7
     deep = SpeedProfile(PROF.tokens, PROF.seconds, PROF.draft_requests, PROF.draft_seconds, key=KEY,
                         shallow_draft_seconds=(0.01, 0.05), draft_depth=7)
     assert load_cached_profile(save_profile(deep, tmp_path / "deep.json"), KEY) == deep
@@ -249,6 +249,26 @@ def test_shuffled_rounds_visit_every_job_once_in_changing_orders():
     order.clear()
     measure_profile(step, [1, 2, 3, 4], repeats=6, warmup=0, timer=timer, shuffle_seed=0)
     assert [tuple(order[i:i + 4]) for i in range(0, 24, 4)] == rounds  # seeded: the same orders again
+
+
+def test_table_points_that_are_grid_cells_are_read_from_the_grid():
+    now, order = [0.0], []
+
+    def timer():
+        return now[0]
+
+    def step(b):
+        order.append(("table", b))
+        now[0] += 1e-3 * b
+
+    def grid(r, k):
+        order.append(("grid", r, k))
+        now[0] += 1e-3 * r * k
+
+    prof = measure_profile(step, [1, 2, 3], repeats=2, warmup=0, grid_fn=grid, grid_requests=[1], grid_tokens=[1, 2],
+                           table_cell=lambda b: (1, b), timer=timer)
+    assert prof.seconds == pytest.approx((1e-3, 2e-3, 3e-3))  # B = 3 is no grid cell: timed on its own
+    assert ("table", 1) not in order and ("table", 2) not in order and order.count(("table", 3)) == 2
 
 
 def test_drafting_cost_is_linear_in_depth_between_the_two_tables():
@@ -367,3 +387,13 @@ def test_profiles_cached_before_the_kernels_field_count_as_torch_kernels(tmp_pat
     assert load_cached_profile(path, KEY) is not None
     with pytest.warns(UserWarning, match="kernels"):
         assert load_cached_profile(path, ProfileKey(**{**KEY.as_dict(), "kernels": "native"})) is None
+
+
+def test_engine_table_points_map_to_the_grid_cells_running_the_same_step():
+    from dspark.engine.profiling import GRID_TOKENS, PROFILE_REQUESTS, PROFILE_TOKENS, _split, table_cell
+
+    for b in PROFILE_TOKENS:
+        cell = table_cell(b)
+        assert cell is None or [cell[1]] * cell[0] == _split(b)
+    pooled = [b for b in PROFILE_TOKENS if table_cell(b) in {(r, k) for r in PROFILE_REQUESTS for k in GRID_TOKENS}]
+    assert pooled == [1, 2, 4, 8, 16, 32, 64]  # 12, 24, 48 are 3, 6, 12 requests: timed on their own

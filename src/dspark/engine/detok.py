@@ -18,7 +18,7 @@ def update_text(request: Request, tokenizer, new_count: int) -> tuple[str, bool]
         hits = [(pos, s) for pos, s in hits if pos >= 0]
         if hits:
             pos, stop = min(hits)
-            _cut_tokens(request, tokenizer, new_count, pos + len(stop))
+            _cut_tokens(request, tokenizer, new_count, full[:pos + len(stop)])
             piece = full[len(request.text): pos] if pos > len(request.text) else ""
             request.text = full[:pos]
             return piece, True
@@ -29,9 +29,25 @@ def update_text(request: Request, tokenizer, new_count: int) -> tuple[str, bool]
     return piece, False
 
 
-def _cut_tokens(request: Request, tokenizer, new_count: int, text_end: int) -> None:
+def _cut_tokens(request: Request, tokenizer, new_count: int, through: str) -> None:
+    """Keep the fewest output tokens whose text starts with ``through`` (the text up to the stop string's end).
+    Comparing text, not length: a prefix ending inside a split character decodes with a U+FFFD in its place,
+    as long as the full text but without the stop string. Should a tokenizer decode a prefix differently from
+    the same stretch of the whole (space clean-up), length decides, as before."""
     first_new = len(request.output) - new_count
-    for keep in range(max(first_new, 1), len(request.output) + 1):
-        if len(tokenizer.decode(request.output[:keep], skip_special_tokens=True)) >= text_end:
-            del request.output[keep:]
-            return
+    texts = [(keep, tokenizer.decode(request.output[:keep], skip_special_tokens=True))
+             for keep in range(max(first_new, 1), len(request.output) + 1)]
+    keep = next((k for k, t in texts if t.startswith(through)), None)
+    if keep is None:
+        keep = next((k for k, t in texts if len(t) >= len(through)), len(request.output))
+    del request.output[keep:]
+
+
+def flush_text(request: Request, tokenizer) -> str:
+    """The text still held back when a request finishes without a stop string (EOS, max tokens): a character
+    whose bytes were cut off by the end of the output decodes as U+FFFD, as the whole output's decode would show
+    it; held back for good it left the streamed text short of ``tokenizer.decode(output)``."""
+    full = tokenizer.decode(request.output, skip_special_tokens=True)
+    piece = full[len(request.text):]
+    request.text = full
+    return piece

@@ -16,7 +16,7 @@ from ..decoding import SamplingParams
 from ..decoding.batch import verify_requests
 from ..drafters.base import Drafter
 from ..models.transformer import Segment, Transformer
-from .detok import update_text
+from .detok import flush_text, update_text
 from .draft_feed import DraftFeed
 from .request import Request, RequestOutput, Status
 from .stats import EngineStats
@@ -236,6 +236,8 @@ class Engine:
                                or req.num_tokens >= self.model.config.max_position):
             reason = "length"
         if reason:
+            if not stop_hit and self.tokenizer:
+                piece += flush_text(req, self.tokenizer)
             req.finish(reason)
             self._release(req)
             self.stats.record_finish(reason)

@@ -21,7 +21,12 @@ PROFILE_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROFILE_REQUESTS = (1, 2, 4, 8, 16, 32)  # drafting cost: one propose() for R requests
 CONTEXT = 256
 TOKENS_PER_REQUEST = 4  # a typical steady-state request verifies its anchor plus a few drafts
-GRID_TOKENS = (1, 2, 4, 8)  # tokens per request in the (R, k) grid: plain, and 1, 3 or 7 drafts (γ = 7)
+# Tokens per request in the (R, k) grid: plain, and 1-4 or 7 drafts (γ = 7). A step's price is a staircase in
+# B here, not a line: a native kernel makes 1-2 rows cheap, then the projections' GEMM costs about the same for 3
+# to 6 rows and again for 9 to 16 (scripts/step_shape_cost.py). With only k = 1, 2, 4, 8, a 3-token R = 1 step was
+# priced 8 % under its cost and R = 2 requests of 5 tokens 19 % under, and the async scheduler verified 2 drafts
+# where 1 paid.
+GRID_TOKENS = (1, 2, 3, 4, 5, 8)
 MIN_JOB_SECONDS = 0.1  # steps cheaper than this get up to 4 samples per round (the low-load ones that decide)
 log = logging.getLogger("dspark")
 
@@ -65,6 +70,12 @@ def target_step_fn(model: Transformer, one_segment: bool = False, caches=None):
     caches pre-filled and rolled back after each call."""
     run = _step_fn(model, caches or _warm_caches(model))
     return lambda b: run([b] if one_segment else _split(b))
+
+
+def table_cell(b: int) -> tuple[int, int] | None:
+    """The grid cell (R, k) whose step is the table's step over B tokens (all requests verifying k), if any."""
+    parts = _split(b)
+    return (len(parts), parts[0]) if len(set(parts)) == 1 else None
 
 
 def grid_step_fn(model: Transformer, caches=None):
@@ -129,7 +140,7 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
                                one_segment_fn=target_step_fn(model, one_segment=True, caches=caches),
                                tokens_per_segment=TOKENS_PER_REQUEST, grid_fn=grid_step_fn(model, caches),
                                grid_requests=PROFILE_REQUESTS, grid_tokens=GRID_TOKENS,
-                               min_job_seconds=MIN_JOB_SECONDS, shuffle_seed=0, **extra)
+                               min_job_seconds=MIN_JOB_SECONDS, shuffle_seed=0, table_cell=table_cell, **extra)
 
     path = profile_path(key)
     if force and path.exists():

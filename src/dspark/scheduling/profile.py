@@ -259,6 +259,7 @@ def measure_profile(
     min_job_seconds: float = 0.0,
     max_samples_per_round: int = 4,
     shuffle_seed: int | None = None,
+    table_cell: Callable[[int], tuple[int, int] | None] | None = None,
 ) -> SpeedProfile:
     """Time ``step_fn(B)`` for each B (median of ``repeats`` after ``warmup`` untimed calls).
 
@@ -283,6 +284,8 @@ def measure_profile(
     With ``shuffle_seed`` each (sub-)round visits its jobs in a fresh seeded random order: a step's time depends
     on the step before it (scripts/step_order_cost.py), and in a fixed order each job always follows the same
     neighbour, a bias no number of repeats removes.
+    ``table_cell(B)`` names the grid cell (R, k) that runs the same step as ``step_fn(B)``, if any; such table
+    points are read from the grid instead of being timed twice.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -318,14 +321,19 @@ def measure_profile(
     # Drafting is timed in the same rounds as the target's steps: the scheduler weighs one against the other, so
     # a slow phase must not land on one block of them only; and each proposal then follows a target forward, as
     # in the engine, where the target has just pushed the drafter's weights out of the caches.
-    seconds = median_times([(step_fn, b) for b in tokens] + ([(one_segment_fn, tokens[-1])] if split_both else [])
-                           + grid_jobs + draft_jobs)
-    first_draft = len(seconds) - len(draft_jobs)
-    dsec, seconds = seconds[first_draft:], seconds[:first_draft]
-    dsec, shallow_sec = dsec[:len(reqs)], dsec[len(reqs):]
-    grid_flat = [seconds.pop(len(tokens) + split_both) for _ in grid_jobs]
+    # A table point that is the same step as a grid cell (one request of B tokens is cell (1, B)) takes that
+    # cell's samples rather than being timed again: half the table duplicated the grid, in twice the time.
+    cells = {rk: i for i, rk in enumerate((r, k) for r in g_req for k in g_tok)}
+    same = {b: cells.get(table_cell(b)) for b in tokens} if table_cell is not None else {}
+    own = [b for b in tokens if same.get(b) is None]
+    t = median_times([(step_fn, b) for b in own] + ([(one_segment_fn, tokens[-1])] if split_both else [])
+                     + grid_jobs + draft_jobs)
+    own_s, t = dict(zip(own, t[:len(own)])), t[len(own):]
+    one_request, t = (t[0] if split_both else 0.0), t[int(split_both):]
+    grid_flat, t = t[:len(grid_jobs)], t[len(grid_jobs):]
+    dsec, shallow_sec = t[:len(reqs)], t[len(reqs):]
+    seconds = [own_s[b] if same.get(b) is None else grid_flat[same[b]] for b in tokens]
     grid = tuple(tuple(grid_flat[i * len(g_tok):(i + 1) * len(g_tok)]) for i in range(len(g_req)))
-    one_request = seconds.pop() if split_both else 0.0
     seg_s = max(0.0, (seconds[-1] - one_request) / (segments - 1)) if split_both else 0.0
     return SpeedProfile(tuple(tokens), tuple(seconds), tuple(reqs), tuple(dsec), key=key, source="measured",
                         segment_seconds=seg_s, tokens_per_segment=tokens_per_segment if split_both else 0,
