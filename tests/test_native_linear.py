@@ -114,3 +114,15 @@ def test_projection_benchmark_times_every_available_kernel():
     assert "torch linear" in names and ("native (ours)" in names) == (native.kernel() is not None)
     assert len(rows) == len(names) * len(ROWS)
     assert all(r["seconds"] > 0 and r["gb_per_s"] > 0 for r in rows)
+
+
+def test_packed_row_counts_are_bucketed_and_padding_changes_no_row():
+    from dspark.models.layers import bucket_rows
+
+    assert [bucket_rows(r) for r in (1, 8, 9, 12, 13, 32, 33, 128, 129)] == [1, 8, 12, 12, 16, 32, 48, 128, 256]
+    assert len({bucket_rows(r) for r in range(1, 513)}) <= 32  # a bounded set of oneDNN primitives
+    w = torch.randn(48, 40)
+    proj = Projection(w, packed=True)
+    for rows in (9, 10, 30):
+        x = torch.randn(rows, 40)
+        assert torch.allclose(proj(x), F.linear(x, w), rtol=1e-5, atol=1e-5)

@@ -148,8 +148,9 @@ class Projection:
 def bucket_rows(rows: int) -> int:
     """oneDNN caches one primitive per input shape; a serving engine sees every row count, so resident memory
     crept up with each new shape. Rounding row counts up to a few sizes bounds the set (padding rows are cheap:
-    the cost is flat in this range)."""
+    the cost is flat in this range). Below 32 rows the steps are 4 wide: padded to 16, a 10-row verify step (two
+    requests verifying 4 drafts each) cost as much as a 16-row one (scripts/step_shape_cost.py)."""
     if rows <= 8:
         return rows
-    step = 16 if rows <= 128 else 128
+    step = 4 if rows <= 32 else 16 if rows <= 128 else 128
     return -(-rows // step) * step
