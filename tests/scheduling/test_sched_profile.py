@@ -53,6 +53,26 @@ def test_invalid_tables(tokens, seconds, match):
         SpeedProfile(tokens, seconds)
 
 
+class FakeClock:
+    """A clock that only the fake jobs advance, recording which job ran with what, in order."""
+
+    def __init__(self):
+        self.now, self.order = 0.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def job(self, *tag, cost):
+        def run(*args):
+            self.order.append((*tag, *args))
+            self.now += cost(*args)
+        return run
+
+    def jobs(self) -> list:
+        """The order of an untagged one-argument job: its arguments."""
+        return [args[0] for args in self.order]
+
+
 def test_measure_profile_takes_median():
     now = [0.0]  # fake clock, advanced by the fake step function
     durations = {4: [0.5, 0.1, 0.2], 8: [0.3, 0.3, 9.0]}
@@ -177,28 +197,16 @@ def test_invalid_grids(grid, match):
 
 
 def test_measure_profile_times_the_grid_interleaved_with_the_table():
-    now, order = [0.0], []
-
-    def timer():
-        return now[0]
-
-    def step(b):
-        order.append(("table", b))
-        now[0] += 1e-3 * b
-
-    def grid(r, k):
-        order.append(("grid", r, k))
-        now[0] += 1e-3 * (10 * r + k)
+    clock = FakeClock()
+    step = clock.job("table", cost=lambda b: 1e-3 * b)
+    grid = clock.job("grid", cost=lambda r, k: 1e-3 * (10 * r + k))
 
     def draft(depth):
-        def run(r):
-            order.append(("draft", depth, r))
-            now[0] += 1e-4 * (depth * 10 + r)
-        return run
+        return clock.job("draft", depth, cost=lambda r: 1e-4 * (depth * 10 + r))
 
     prof = measure_profile(step, [1, 4], repeats=2, warmup=0, grid_fn=grid, grid_requests=[2, 1],
                            grid_tokens=[4, 1], draft_fn=draft(7), shallow_draft_fn=draft(1), draft_depth=7,
-                           request_counts=[2, 1], timer=timer)
+                           request_counts=[2, 1], timer=clock)
     assert prof.seconds == pytest.approx((1e-3, 4e-3))
     assert prof.grid_requests == (1, 2) and prof.grid_tokens == (1, 4)
     np.testing.assert_allclose(prof.grid_seconds, [[11e-3, 14e-3], [21e-3, 24e-3]])
@@ -207,68 +215,43 @@ def test_measure_profile_times_the_grid_interleaved_with_the_table():
     # every round times the table, the grid and the drafter once each, so drift cannot tilt one against another
     one_round = [("table", 1), ("table", 4), ("grid", 1, 1), ("grid", 1, 4), ("grid", 2, 1), ("grid", 2, 4),
                  ("draft", 7, 1), ("draft", 7, 2), ("draft", 1, 1), ("draft", 1, 2)]
-    assert order == one_round * 2
+    assert clock.order == one_round * 2
 
 
 def test_cheap_jobs_get_more_samples_in_sub_rounds():
     # A 10 ms step fits 3 samples in 35 ms, a 40 ms one 1; the cap holds a 1 ms one to 4. Extra samples come in
     # sub-rounds over all cheap jobs, never back to back, so drift still lands on every job alike.
-    now, order = [0.0], []
-    cost = {1: 1e-3, 2: 10e-3, 3: 40e-3}
-
-    def timer():
-        return now[0]
-
-    def step(b):
-        order.append(b)
-        now[0] += cost[b]
-
-    prof = measure_profile(step, [1, 2, 3], repeats=2, warmup=1, timer=timer, min_job_seconds=0.035,
+    clock = FakeClock()
+    step = clock.job(cost=lambda b: {1: 1e-3, 2: 10e-3, 3: 40e-3}[b])
+    prof = measure_profile(step, [1, 2, 3], repeats=2, warmup=1, timer=clock, min_job_seconds=0.035,
                            max_samples_per_round=4)
     one_round = [1, 2, 3, 1, 2, 1, 2, 1]
-    assert order == [1, 1, 2, 2, 3, 3] + one_round * 2  # two warm-up calls each: the fastest sets the count
+    assert clock.jobs() == [1, 1, 2, 2, 3, 3] + one_round * 2  # two warm-up calls each: the fastest sets the count
     assert prof.seconds == pytest.approx((1e-3, 10e-3, 40e-3))
     with pytest.raises(ValueError, match="max_samples_per_round"):
         measure_profile(step, [1], max_samples_per_round=0)
 
 
 def test_shuffled_rounds_visit_every_job_once_in_changing_orders():
-    now, order = [0.0], []
-
-    def timer():
-        return now[0]
-
-    def step(b):
-        order.append(b)
-        now[0] += 1e-3 * b
-
-    prof = measure_profile(step, [1, 2, 3, 4], repeats=6, warmup=0, timer=timer, shuffle_seed=0)
-    rounds = [tuple(order[i:i + 4]) for i in range(0, 24, 4)]
+    clock = FakeClock()
+    step = clock.job(cost=lambda b: 1e-3 * b)
+    prof = measure_profile(step, [1, 2, 3, 4], repeats=6, warmup=0, timer=clock, shuffle_seed=0)
+    rounds = [tuple(clock.jobs()[i:i + 4]) for i in range(0, 24, 4)]
     assert all(sorted(r) == [1, 2, 3, 4] for r in rounds) and len(set(rounds)) > 1
     assert prof.seconds == pytest.approx((1e-3, 2e-3, 3e-3, 4e-3))
-    order.clear()
-    measure_profile(step, [1, 2, 3, 4], repeats=6, warmup=0, timer=timer, shuffle_seed=0)
-    assert [tuple(order[i:i + 4]) for i in range(0, 24, 4)] == rounds  # seeded: the same orders again
+    clock.order.clear()
+    measure_profile(step, [1, 2, 3, 4], repeats=6, warmup=0, timer=clock, shuffle_seed=0)
+    assert [tuple(clock.jobs()[i:i + 4]) for i in range(0, 24, 4)] == rounds  # seeded: the same orders again
 
 
 def test_table_points_that_are_grid_cells_are_read_from_the_grid():
-    now, order = [0.0], []
-
-    def timer():
-        return now[0]
-
-    def step(b):
-        order.append(("table", b))
-        now[0] += 1e-3 * b
-
-    def grid(r, k):
-        order.append(("grid", r, k))
-        now[0] += 1e-3 * r * k
-
+    clock = FakeClock()
+    step, grid = clock.job("table", cost=lambda b: 1e-3 * b), clock.job("grid", cost=lambda r, k: 1e-3 * r * k)
     prof = measure_profile(step, [1, 2, 3], repeats=2, warmup=0, grid_fn=grid, grid_requests=[1], grid_tokens=[1, 2],
-                           table_cell=lambda b: (1, b), timer=timer)
+                           table_cell=lambda b: (1, b), timer=clock)
     assert prof.seconds == pytest.approx((1e-3, 2e-3, 3e-3))  # B = 3 is no grid cell: timed on its own
-    assert ("table", 1) not in order and ("table", 2) not in order and order.count(("table", 3)) == 2
+    assert ("table", 1) not in clock.order and ("table", 2) not in clock.order
+    assert clock.order.count(("table", 3)) == 2
 
 
 def test_drafting_cost_is_linear_in_depth_between_the_two_tables():
