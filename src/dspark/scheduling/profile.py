@@ -281,9 +281,9 @@ def measure_profile(
     steps are the ones whose ratios decide whether drafting pays at low load, and 9 samples of a 30 ms step left
     the same step priced 36 and 44 ms in two cells of one profile, and a 2-token step 1.23x a 1-token one where
     the engine ran it at ~1.12x (scripts/step_order_cost.py).
-    With ``shuffle_seed`` each (sub-)round visits its jobs in a fresh seeded random order: a step's time depends
-    on the step before it (scripts/step_order_cost.py), and in a fixed order each job always follows the same
-    neighbour, a bias no number of repeats removes.
+    With ``shuffle_seed`` each (sub-)round visits its jobs in a fresh seeded random order: a step's time may
+    depend on the step before it (0.99-1.17x after a 32 x 8-token step, scripts/step_order_cost.py), and in a
+    fixed order each job always follows the same neighbour, a bias no number of repeats would remove.
     ``table_cell(B)`` names the grid cell (R, k) that runs the same step as ``step_fn(B)``, if any; such table
     points are read from the grid instead of being timed twice.
     """
