@@ -5,7 +5,8 @@
 The speed profile's grid measures a few (R, k) cells and interpolates linearly between them; this prints the
 median and quartiles of each shape asked for, so a cell the grid skips can be checked against its neighbours.
 On the dev CPU the price is a staircase in B = R·k: 1-2 rows go through our C kernel (models/native.py), 3-8
-through oneDNN at about the same cost as each other, and 9-16 rows are padded to 16 (layers.bucket_rows).
+through oneDNN at about the same cost as each other, and more rows are padded to a bucket (layers.bucket_rows:
+16 for 9-16 rows until session 17, now a multiple of 4 up to 32).
 """
 from __future__ import annotations
 
