@@ -2,7 +2,7 @@
 U+FFFD, like the whole output's decode) when the request ends mid-character."""
 from types import SimpleNamespace
 
-from dspark.engine.detok import flush_text, update_text
+from dspark.engine.detok import update_text
 
 # byte-level toy vocabulary: "日" is three tokens (UTF-8 e6 97 a5), as a byte-level BPE can split it
 BYTES = {1: b"a", 2: b"\xe6", 3: b"\x97", 4: b"\xa5", 5: b"b"}
@@ -33,10 +33,10 @@ def test_split_character_is_held_back_until_its_last_byte():
 def test_output_ending_mid_character_is_flushed_like_its_decode():
     req, pieces, _ = stream([1, 2, 3], [2, 1])
     assert pieces == ["", ""] and req.text == ""  # "a" is held back with the first bytes of "日"
-    tail = flush_text(req, ByteTokenizer())
+    tail, _ = update_text(req, ByteTokenizer(), 0, final=True)  # the request ends here
     assert "".join(pieces) + tail == ByteTokenizer().decode([1, 2, 3]) == req.text
     assert tail.startswith("a") and tail.endswith("\ufffd")
-    assert flush_text(req, ByteTokenizer()) == ""  # nothing twice
+    assert update_text(req, ByteTokenizer(), 0, final=True) == ("", False)  # nothing twice
 
 
 def test_stop_string_across_a_split_character():

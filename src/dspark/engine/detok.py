@@ -4,11 +4,14 @@ from __future__ import annotations
 from .request import Request
 
 
-def update_text(request: Request, tokenizer, new_count: int) -> tuple[str, bool]:
+def update_text(request: Request, tokenizer, new_count: int, final: bool = False) -> tuple[str, bool]:
     """After `new_count` tokens were appended to request.output: returns (new text, a stop string matched).
 
     On a match the output is cut to the fewest tokens whose text contains the stop string (so usage counts
-    are exact) and the text is cut before the stop string, as the OpenAI API does.
+    are exact) and the text is cut before the stop string, as the OpenAI API does. A character split across
+    tokens is held back until its last byte comes, unless this is the request's last text (``final``: it ends
+    here without a stop string, by EOS or length): then it shows as U+FFFD, as the whole output's decode does;
+    held back for good it left the streamed text short of ``tokenizer.decode(output)``.
     """
     full = tokenizer.decode(request.output, skip_special_tokens=True)
     if request.stop_strings:
@@ -22,7 +25,7 @@ def update_text(request: Request, tokenizer, new_count: int) -> tuple[str, bool]
             piece = full[len(request.text): pos] if pos > len(request.text) else ""
             request.text = full[:pos]
             return piece, True
-    if full.endswith("\ufffd"):
+    if full.endswith("\ufffd") and not final:
         return "", False  # a character split across tokens: wait for its remaining bytes
     piece = full[len(request.text):]
     request.text = full
@@ -34,20 +37,14 @@ def _cut_tokens(request: Request, tokenizer, new_count: int, through: str) -> No
     Comparing text, not length: a prefix ending inside a split character decodes with a U+FFFD in its place,
     as long as the full text but without the stop string. Should a tokenizer decode a prefix differently from
     the same stretch of the whole (space clean-up), length decides, as before."""
-    first_new = len(request.output) - new_count
-    texts = [(keep, tokenizer.decode(request.output[:keep], skip_special_tokens=True))
-             for keep in range(max(first_new, 1), len(request.output) + 1)]
-    keep = next((k for k, t in texts if t.startswith(through)), None)
-    if keep is None:
-        keep = next((k for k, t in texts if len(t) >= len(through)), len(request.output))
+    first_new, long_enough = len(request.output) - new_count, None
+    for keep in range(max(first_new, 1), len(request.output) + 1):
+        text = tokenizer.decode(request.output[:keep], skip_special_tokens=True)
+        if text.startswith(through):
+            break
+        if long_enough is None and len(text) >= len(through):
+            long_enough = keep
+    else:
+        keep = long_enough or len(request.output)
     del request.output[keep:]
 
-
-def flush_text(request: Request, tokenizer) -> str:
-    """The text still held back when a request finishes without a stop string (EOS, max tokens): a character
-    whose bytes were cut off by the end of the output decodes as U+FFFD, as the whole output's decode would show
-    it; held back for good it left the streamed text short of ``tokenizer.decode(output)``."""
-    full = tokenizer.decode(request.output, skip_special_tokens=True)
-    piece = full[len(request.text):]
-    request.text = full
-    return piece

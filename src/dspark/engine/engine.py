@@ -16,7 +16,7 @@ from ..decoding import SamplingParams
 from ..decoding.batch import verify_requests
 from ..drafters.base import Drafter
 from ..models.transformer import Segment, Transformer
-from .detok import flush_text, update_text
+from .detok import update_text
 from .draft_feed import DraftFeed
 from .request import Request, RequestOutput, Status
 from .stats import EngineStats
@@ -230,14 +230,13 @@ class Engine:
         req.output.extend(chunk)
         req.draft.tokens.extend(chunk)
         self.stats.generation_tokens += len(chunk)
-        piece, stop_hit = update_text(req, self.tokenizer, len(chunk)) if self.tokenizer else ("", False)
-        reason = "stop" if stop_hit else reason
         if reason is None and (len(req.output) >= req.params.max_new_tokens
                                or req.num_tokens >= self.model.config.max_position):
             reason = "length"
+        piece, stop_hit = (update_text(req, self.tokenizer, len(chunk), final=reason is not None) if self.tokenizer
+                           else ("", False))
+        reason = "stop" if stop_hit else reason
         if reason:
-            if not stop_hit and self.tokenizer:
-                piece += flush_text(req, self.tokenizer)
             req.finish(reason)
             self._release(req)
             self.stats.record_finish(reason)
