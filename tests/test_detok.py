@@ -1,6 +1,10 @@
 """Incremental detokenisation: a character split across tokens is held back until complete, and flushed (as
-U+FFFD, like the whole output's decode) when the request ends mid-character."""
+U+FFFD, like the whole output's decode) when the request ends mid-character; the windowed decode streams
+exactly the whole output's decode (checked against a slow reference that decodes everything every step)."""
+import random
 from types import SimpleNamespace
+
+import pytest
 
 from dspark.engine.detok import update_text
 
@@ -13,16 +17,44 @@ class ByteTokenizer:
         return b"".join(BYTES[i] for i in ids).decode("utf-8", errors="replace")
 
 
-def stream(ids, chunks, stop_strings=()):
-    req, tok, pieces = SimpleNamespace(output=[], text="", stop_strings=stop_strings), ByteTokenizer(), []
-    for n in chunks:
+def new_request(stop_strings=()):
+    return SimpleNamespace(output=[], text="", text_tokens=0, text_window=0, stop_strings=stop_strings)
+
+
+def stream(ids, chunks, stop_strings=(), tok=None, final_at_end=False):
+    req, tok, pieces = new_request(stop_strings), tok or ByteTokenizer(), []
+    for i, n in enumerate(chunks):
         req.output.extend(ids[:n])
         ids = ids[n:]
-        piece, hit = update_text(req, tok, n)
+        piece, hit = update_text(req, tok, n, final=final_at_end and i == len(chunks) - 1)
         pieces.append(piece)
         if hit:
             return req, pieces, hit
     return req, pieces, False
+
+
+def reference_stream(ids, chunks, stop_strings, tok, final_at_end):
+    """The slow reference: decode the whole output every step; -> (pieces, text, tokens kept, stop hit)."""
+    out, text, pieces = [], "", []
+    for i, n in enumerate(chunks):
+        first_new = len(out)
+        out.extend(ids[:n])
+        ids = ids[n:]
+        full = tok.decode(out, skip_special_tokens=True)
+        hits = [(full.find(s), s) for s in stop_strings]  # one found in streamed text would have ended it then
+        hits = sorted((p, s) for p, s in hits if p >= 0)
+        if hits:
+            pos, stop = hits[0]
+            keep = next(k for k in range(max(first_new, 1), len(out) + 1)
+                        if tok.decode(out[:k], skip_special_tokens=True).startswith(full[:pos + len(stop)]))
+            pieces.append(full[len(text):pos] if pos > len(text) else "")
+            return pieces, full[:pos], out[:keep], True
+        if full.endswith("\ufffd") and not (final_at_end and i == len(chunks) - 1):
+            pieces.append("")
+            continue
+        pieces.append(full[len(text):])
+        text = full
+    return pieces, text, out, False
 
 
 def test_split_character_is_held_back_until_its_last_byte():
@@ -42,3 +74,40 @@ def test_output_ending_mid_character_is_flushed_like_its_decode():
 def test_stop_string_across_a_split_character():
     req, pieces, hit = stream([1, 2, 3, 4, 5], [2, 2, 1], stop_strings=("日",))
     assert hit and req.text == "a" and req.output == [1, 2, 3, 4]  # cut to the fewest tokens holding the stop
+
+
+def test_windowed_decode_matches_the_whole_decode_on_random_byte_streams():
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.choice(list(BYTES)) for _ in range(rng.randint(1, 40))]
+        chunks = chunking(rng, len(ids))
+        stops = rng.choice([(), ("日",), ("ab",), ("b日a", "aa")])
+        final = rng.random() < 0.5
+        req, pieces, hit = stream(ids, chunks, stops, final_at_end=final)
+        assert (pieces, req.text, req.output, hit) == reference_stream(ids, chunks, stops, ByteTokenizer(), final)
+
+
+def chunking(rng, n):
+    chunks = []
+    while sum(chunks) < n:
+        chunks.append(min(rng.randint(1, 8), n - sum(chunks)))  # up to γ + 1 tokens a step, as the engine emits
+    return chunks
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_windowed_decode_matches_the_whole_decode_with_the_smollm2_tokenizer(smollm2, seed):
+    """Real BPE merges, split emoji / CJK / accented characters, special tokens (skipped), random ids."""
+    tok, rng = smollm2.tokenizer, random.Random(seed)
+    text = "Naïve café — 日本語のテキスト 🙂🚀 x² ≤ π; def f(a):\n    return a  # ok\n\n¿Qué tal? Ünïcödé"
+    encoded = tok.encode(text, add_special_tokens=False)
+    for trial in range(40):
+        ids = list(encoded) if trial % 2 == 0 else [rng.randrange(len(tok)) for _ in range(rng.randint(1, 60))]
+        if trial % 4 == 1:
+            ids.insert(rng.randrange(len(ids) + 1), tok.eos_token_id)  # a special token, skipped by decode
+        chunks = chunking(rng, len(ids))
+        stops = rng.choice([(), ("日本",), ("\n\n", "🚀"), ("return a",), (" é",)])
+        final = rng.random() < 0.5
+        req, pieces, hit = stream(ids, chunks, stops, tok=tok, final_at_end=final)
+        assert (pieces, req.text, req.output, hit) == reference_stream(ids, chunks, stops, tok, final)
+        if not hit and final:
+            assert "".join(pieces) == req.text == tok.decode(ids, skip_special_tokens=True)

@@ -34,6 +34,8 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     text: str = ""  # decoded output, cut before a matched stop string
+    text_tokens: int = 0  # output[:text_tokens] is what `text` decodes (detok.py)
+    text_window: int = 0  # where the next step's decode window starts (<= text_tokens)
     # statistics
     rounds: int = 0
     drafted: int = 0
