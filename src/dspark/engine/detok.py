@@ -7,19 +7,30 @@ step early, not at ``text_tokens``, keeps a tokenizer that treats a decode's fir
 SentencePiece leading space) exact: both decodes start at the same token. The invariant, checked by the
 tests against ``tokenizer.decode(output)``: ``request.text`` is the text of ``output[:text_tokens]``, and
 both offsets sit on character boundaries (they only move after a decode that did not end inside a character).
+That holds for decodes where each prefix's text extends the one before (byte-level BPE, SentencePiece); where
+it cannot (clean-up that rewrites streamed text), the streamed text is still exactly ``request.text``.
 """
 from __future__ import annotations
+
+import os
 
 from .request import Request
 
 SPLIT = "\ufffd"  # what a decode shows for a character whose bytes have not all arrived
 
 
-def _window_text(request: Request, tokenizer, end: int) -> str:
-    """The text of output[text_tokens:end] (plus any character split at end, as U+FFFD)."""
-    window = request.output[request.text_window:end]
+def _text_through(request: Request, tokenizer, end: int) -> str:
+    """The whole text of output[:end] (a character split at end shows as U+FFFD): the streamed text plus what the
+    window adds. Should a tokenizer's decode of the window not extend its decode of the window's streamed part
+    (space clean-up rewriting text already streamed: " " then "." decoding as "."), the whole output is decoded
+    and what it has after the streamed text's longest common prefix is added: streamed text cannot be taken back,
+    so the text stays what was streamed and loses no character of the decode."""
     seen = tokenizer.decode(request.output[request.text_window:request.text_tokens], skip_special_tokens=True)
-    return tokenizer.decode(window, skip_special_tokens=True)[len(seen):]
+    window = tokenizer.decode(request.output[request.text_window:end], skip_special_tokens=True)
+    if window.startswith(seen):
+        return request.text + window[len(seen):]
+    whole = tokenizer.decode(request.output[:end], skip_special_tokens=True)
+    return request.text + whole[len(os.path.commonprefix([request.text, whole])):]
 
 
 def update_text(request: Request, tokenizer, new_count: int, final: bool = False) -> tuple[str, bool]:
@@ -31,8 +42,7 @@ def update_text(request: Request, tokenizer, new_count: int, final: bool = False
     here without a stop string, by EOS or length): then it shows as U+FFFD, as the whole output's decode does;
     held back for good it left the streamed text short of ``tokenizer.decode(output)``.
     """
-    fresh = _window_text(request, tokenizer, len(request.output))
-    full = request.text + fresh  # the whole output's text
+    full = _text_through(request, tokenizer, len(request.output))
     if request.stop_strings:
         longest = max(len(s) for s in request.stop_strings)
         start = max(0, len(request.text) - longest + 1)  # a match may begin in text already streamed
@@ -44,11 +54,13 @@ def update_text(request: Request, tokenizer, new_count: int, final: bool = False
             piece = full[len(request.text): pos] if pos > len(request.text) else ""
             request.text = full[:pos]
             return piece, True
-    if fresh.endswith(SPLIT) and not final:
+    if full.endswith(SPLIT) and not final:
         return "", False  # a character split across tokens: wait for its remaining bytes
+    piece = full[len(request.text):]
     request.text = full
-    request.text_window, request.text_tokens = request.text_tokens, len(request.output)
-    return fresh, False
+    if len(request.output) > request.text_tokens:  # the window keeps one emitted token before the new ones
+        request.text_window, request.text_tokens = request.text_tokens, len(request.output)
+    return piece, False
 
 
 def _cut_tokens(request: Request, tokenizer, new_count: int, through: str) -> None:
@@ -58,7 +70,7 @@ def _cut_tokens(request: Request, tokenizer, new_count: int, through: str) -> No
     the same stretch of the whole (space clean-up), length decides, as before."""
     first_new, long_enough = len(request.output) - new_count, None
     for keep in range(max(first_new, request.text_tokens, 1), len(request.output) + 1):
-        text = request.text + _window_text(request, tokenizer, keep)
+        text = _text_through(request, tokenizer, keep)
         if text.startswith(through):
             break
         if long_enough is None and len(text) >= len(through):
