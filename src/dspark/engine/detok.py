@@ -1,9 +1,9 @@
 """Incremental detokenisation and stop strings, which may span tokens (even inside one accepted block).
 
 Decoding the whole output every step costs O(n) per step, O(n²) per request (0.5 ms a step at 2 k tokens).
-Instead each step decodes a short window: from ``text_window`` (where the step before last's new text began)
-to the end, and subtracts the window's already-streamed part (up to ``text_tokens``). Starting the window a
-step early, not at ``text_tokens``, keeps a tokenizer that treats a decode's first token specially (the
+Instead each step decodes a short window: from ``text_window`` (the first token of the last text streamed) to
+the end, and subtracts the window's already-streamed part (up to ``text_tokens``). Starting the window at
+streamed tokens, not at ``text_tokens``, keeps a tokenizer that treats a decode's first token specially (the
 SentencePiece leading space) exact: both decodes start at the same token. The invariant, checked by the
 tests against ``tokenizer.decode(output)``: ``request.text`` is the text of ``output[:text_tokens]``, and
 both offsets sit on character boundaries (they only move after a decode that did not end inside a character).
