@@ -1,6 +1,7 @@
 """Incremental detokenisation and stop strings, which may span tokens (even inside one accepted block).
 
-Decoding the whole output every step costs O(n) per step, O(n²) per request (0.5 ms a step at 2 k tokens).
+Decoding the whole output every step costs O(n) per step, O(n²) per request (0.39 ms a step at 2,048 tokens on
+the dev CPU, against 14 µs windowed: scripts/detok_cost.py).
 Instead each step decodes a short window: from ``text_window`` (the first token of the last text streamed) to
 the end, and subtracts the window's already-streamed part (up to ``text_tokens``). Starting the window at
 streamed tokens, not at ``text_tokens``, keeps a tokenizer that treats a decode's first token specially (the
