@@ -7,6 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from dspark.decoding import SamplingParams
+from dspark.scheduling import async_schedule
 from dspark.engine import Generation, TransformerTarget
 from dspark_testlib import speculative, tiny_drafter, tiny_target
 
@@ -280,15 +281,30 @@ def test_t1_output_distribution_with_partial_probes():
 # checks it did, so the tests exercise the rule and not only the policy's name.
 
 RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0.9, max_age=4),
-         "near-threshold probe": dict(min_gain=0.5, near_loss=0.9, max_age=4)}
+         "near-threshold probe": dict(min_gain=0.5, near_loss=0.9, max_age=4),
+         "early stop below K": dict(early_stop=1, min_gain=0.0, max_age=4)}
+
+
+def _verify_priced_profile(gamma: int):
+    from dspark.scheduling.profile import SpeedProfile
+
+    # Each verified token costs 2 ms on a 10 ms step, drafting is cheap: K from old confidences is often >= 1,
+    # and a current slot of low confidence is not worth its verify cost, so the early stop cuts below K.
+    return SpeedProfile((1, 64), (0.010, 0.136), (1, 16), (0.001, 0.001), shallow_draft_seconds=(0.0005, 0.0005),
+                        draft_depth=gamma)
 
 
 def _rules_engine(target, drafter, max_running: int, rule: str):
     from dspark.engine.engine import Engine, EngineConfig
     from dspark.scheduling.registry import make_policy
 
-    policy = make_policy("async", sps=_depth_priced_profile(drafter.gamma), **RULES[rule])
-    seen, prepare, probes = set(), policy.prepare, [0]  # probes since the last drafting run
+    priced = _depth_priced_profile
+    if RULES[rule].get("early_stop"):  # a random head gives confidences of ~0.5 everywhere: spread them
+        priced = _verify_priced_profile
+        with torch.no_grad():
+            drafter.model.confidence.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+    policy = make_policy("async", sps=priced(drafter.gamma), **RULES[rule])
+    seen, prepare, select, probes = set(), policy.prepare, policy.select, [0]  # probes since the last drafting run
 
     def spy(n_requests):
         drafts = prepare(n_requests)
@@ -302,7 +318,13 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
                 seen.add("near-threshold probe")
         return drafts
 
-    policy.prepare = spy
+    def select_spy(c=None, **kwargs):
+        lengths = select(c, **kwargs)
+        if policy.last_capacity and lengths.sum() < async_schedule(c, policy.last_capacity).sum():
+            seen.add("early stop below K")
+        return lengths
+
+    policy.prepare, policy.select = spy, select_spy
     engine = Engine(target, None, drafter, policy, (), EngineConfig(gamma=drafter.gamma, max_running=max_running,
                                                                     prefill_chunk=6))
     return engine, seen

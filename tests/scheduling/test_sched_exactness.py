@@ -125,6 +125,7 @@ POLICIES = {
     "sync": lambda c, c_old: sync_prefix_schedule(c, sps),
     "async": lambda c, c_old: async_schedule(c, async_capacity(c_old, sps)),
     "async-probe": async_probe_step,
+    "async-early-stop": lambda c, c_old: sync_prefix_schedule(c, sps, capacity=async_capacity(c_old, sps)),
     "fixed-1": lambda c, c_old: fixed_k(R, GAMMA, 1),
     "fixed-2": lambda c, c_old: fixed_k(R, GAMMA, 2),
     "threshold": lambda c, c_old: static_threshold(c, 0.45),
@@ -176,5 +177,6 @@ def test_paper_counterexample_no_early_stop_turns_07_03_into_085_015():
     biased = exact_first_token_law(p, q, 0.5, g, lambda c: sync_prefix_schedule_unsafe_no_early_stop(c, sps_ce))
     np.testing.assert_allclose(biased, [0.85, 0.15], atol=1e-12)
     for safe in (lambda c: sync_prefix_schedule(c, sps_ce),  # stops at slot 1: (1.5)·0.5 < 1
-                 lambda c: async_schedule(c, async_capacity(np.array([[0.5, 0.9]]), sps_ce))):
+                 lambda c: async_schedule(c, async_capacity(np.array([[0.5, 0.9]]), sps_ce)),
+                 lambda c: sync_prefix_schedule(c, sps_ce, capacity=async_capacity(np.array([[0.5, 0.9]]), sps_ce))):
         np.testing.assert_allclose(exact_first_token_law(p, q, 0.5, g, safe), [0.7, 0.3], atol=1e-12)

@@ -118,6 +118,52 @@ def test_ties_smaller_slot_then_smaller_request_first():
     assert async_schedule(c, 99).tolist() == [2, 2]
 
 
+def test_capped_algorithm_1_stops_early_or_at_the_cap():
+    # Θ: 2, 2.9, 3.33, 2.21: Algorithm 1 admits 2 items; a cap of 1 admits one, a cap of 5 still stops at 2.
+    sps = table_sps({2: 1.0, 3: 1.0, 4: 0.9, 5: 0.5, 6: 0.5})
+    assert sync_prefix_schedule(C2, sps, capacity=1).tolist() == [1, 0]
+    assert sync_prefix_schedule(C2, sps, capacity=5).tolist() == [1, 1]
+    assert sync_prefix_schedule(C2, sps, capacity=0).tolist() == [0, 0]
+    # where every item improves Θ the capped stop is the top-K
+    c = np.random.default_rng(1).uniform(0.2, 1.0, size=(5, 4))
+    for k in range(21):
+        assert np.array_equal(sync_prefix_schedule(c, lambda b: 1.0, capacity=k), async_schedule(c, k))
+
+
+def test_capped_algorithm_1_prices_drafting_at_the_depth_drafted():
+    # One request, verifying a draft costs 1 ms on a 10 ms step; drafting 0.5 ms + 1.5 ms per slot past the
+    # first. With drafting sunk, slot 1 at c = 0.2 pays at depth 1 (1.2 / 11.5 > 1 / 10.5 ms) but not at depth 7
+    # where the drafting makes the step so long that... it still pays: only verify cost decides, and 1 ms of
+    # verify against 0.2 more tokens is 10 % of a ~20 ms step. Check the depth is passed through the profile.
+    prof = SpeedProfile((1, 2), (0.010, 0.011), (1, 16), (0.0095, 0.0095), shallow_draft_seconds=(0.0005, 0.0005),
+                        draft_depth=7)
+    c = np.array([[0.08, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]])
+    # depth 1: (1.08) / 11.5 ms = 93.9 < 1 / 10.5 ms = 95.2 -> stop; depth 7: 1.08 / 20.5 = 52.7 > 1 / 19.5 = 51.3
+    assert sync_prefix_schedule(c, prof, capacity=1, depth=1).tolist() == [0]
+    assert sync_prefix_schedule(c, prof, capacity=1, depth=7).tolist() == [1]
+
+
+def test_async_early_stop_verifies_at_most_k_and_stops_where_the_next_draft_does_not_pay():
+    prof = SpeedProfile((1, 64), (0.010, 0.040), (1, 16), (0.002, 0.004))  # CPU-like: every token costs
+    rng = np.random.default_rng(0)
+    cs = [rng.beta(4, 1, size=(8, 7)) for _ in range(4)] + [rng.beta(1, 6, size=(8, 7))]  # the text turns hard
+    plain, stop = AsyncPolicy(prof), AsyncPolicy(prof, early_stop=True)
+    for c in cs:
+        plain.prepare(8), stop.prepare(8)
+        assert plain.last_capacity == stop.last_capacity  # K is the same: only the admission differs
+        k = stop.last_capacity
+        got, top_k = stop.select(c), plain.select(c)
+        if k is None:
+            assert np.array_equal(got, top_k)
+        else:
+            depth = min(7, k + 1)
+            assert np.array_equal(got, sync_prefix_schedule(c, prof, capacity=k, depth=depth))
+            assert got.sum() <= top_k.sum() == min(k, c.size)
+    assert got.sum() < top_k.sum()  # on the hard step the old K over-promised and the stop cut it
+    with pytest.raises(ValueError, match="early_stop"):
+        AsyncPolicy(prof, early_stop=2)
+
+
 def test_async_schedule_top_k_hand_worked():
     c_now = np.array([[0.5, 0.5], [0.99, 0.99]])  # a = [[0.5, 0.25], [0.99, 0.9801]]
     assert async_schedule(c_now, 3).tolist() == [1, 2]

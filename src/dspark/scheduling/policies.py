@@ -96,13 +96,19 @@ def _lengths(order: np.ndarray, n_admitted: int, n_requests: int) -> np.ndarray:
     return lengths.astype(np.int64)
 
 
-def sync_prefix_schedule(c, sps: SPS, *, unsafe: bool = False) -> np.ndarray:
+def sync_prefix_schedule(c, sps: SPS, *, unsafe: bool = False, capacity: int | None = None,
+                         depth: int | None = None) -> np.ndarray:
     """Paper Algorithm 1: greedy admission in visit order while Θ = τ·SPS(B) strictly improves; stop at the first
     item that does not improve. [R, γ] -> [R].
 
     Why lossless: slot j of request r is admitted iff no item visited before it failed to improve Θ and it
     improves Θ itself. Items visited before it are other requests' slots and this request's slots < j, so
     the decision never looks at c[r, j+1:], i.e. at tokens sampled at slot j or later.
+
+    ``capacity`` K (the async scheduler's, fixed before drafting) also stops admission after K items: slot j is
+    then admitted iff fewer than K items precede it as well, which reads the same items, so it stays lossless.
+    Drafting is priced at ``depth``, the slots drafted (None: the full block); it is the same for every prefix,
+    the cost of a step already drafting, so only the verify cost decides.
 
     ``unsafe=True`` drops the early stop (admit the argmax-Θ prefix of the whole order): admitting slot j may then
     hinge on c[r, j+1], a function of slot j's own token, and the output distribution is biased.
@@ -113,13 +119,16 @@ def sync_prefix_schedule(c, sps: SPS, *, unsafe: bool = False) -> np.ndarray:
         return np.zeros(n_req, dtype=np.int64)
     a = np.cumprod(c, axis=1)
     order = _visit_order(a)
-    theta = _theta(a.T.ravel()[order], n_req, sps)
+    depths = None if depth is None else np.full(order.size + 1, int(depth))
+    theta = _theta(a.T.ravel()[order], n_req, sps, depths)
     if unsafe:
         n_admitted = int(np.argmax(theta))  # first maximum: the shortest best prefix
     else:
         # Every kept item improved Θ, so Θ_best before item n is Θ_{n-1}: stop at the first n with Θ_n <= Θ_{n-1}.
         stop = theta[1:] <= theta[:-1]
         n_admitted = int(np.argmax(stop)) if stop.any() else order.size
+    if capacity is not None:
+        n_admitted = min(n_admitted, int(capacity))
     return _lengths(order, n_admitted, n_req)
 
 
