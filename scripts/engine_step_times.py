@@ -4,6 +4,8 @@
     .venv/bin/python scripts/engine_step_times.py --concurrency 4 --seconds 90 --confidence
     .venv/bin/python scripts/engine_step_times.py --concurrency 1 --seconds 75 --async-decisions
     .venv/bin/python scripts/engine_step_times.py --concurrency 1 --seconds 75 --async-decisions async-online
+    .venv/bin/python scripts/engine_step_times.py --concurrency 1 --seconds 75 --async-decisions async:early_stop=1 \
+        --out results/serving-s19-early-stop/async-decisions-c1.txt
     .venv/bin/python scripts/engine_step_times.py --concurrency 32 --seconds 25 --profile none
 
 Closed-loop clients on the `bench serve` prompt mix, one engine per fixed policy stepped in turn. For every
@@ -20,10 +22,15 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
+import io
 import pstats
 import random
+import shlex
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -140,7 +147,36 @@ def main() -> None:
     ap.add_argument("--async-decisions", nargs="?", const="async", default=None, metavar="POLICY",
                     help="an async scheduler (default async): steps by kind of decision")
     ap.add_argument("--profile", default=None, metavar="POLICY", help="cProfile this policy's engine")
+    ap.add_argument("--out", default=None, metavar="FILE",
+                    help="also write the report to FILE, headed by the command line and the date")
     args = ap.parse_args()
+    if args.out is None:
+        run(args)
+        return
+    tee = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        run(args)
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = f"# .venv/bin/python {' '.join(shlex.quote(a) for a in sys.argv)}   ({time.strftime('%Y-%m-%d %H:%M')})\n"
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(header + tee.getvalue())
+    tmp.replace(path)  # atomic: an interrupted run leaves no half report
+
+
+class _Tee(io.StringIO):
+    """Prints as it goes and keeps a copy."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        return super().write(text)
+
+
+def run(args) -> None:
     policies = (("fixed-7",) if args.confidence else (args.async_decisions,) if args.async_decisions
                 else (args.profile,) if args.profile else tuple(args.policies.split(",")))
     cfg = ServeBenchConfig(drafter=args.drafter, policies=policies, concurrency=(args.concurrency,),

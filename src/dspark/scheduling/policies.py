@@ -241,6 +241,22 @@ def capacity_from_survivals(survivals: list[np.ndarray], shapes: list[tuple[int,
     return best, float(theta[best] / theta[0])
 
 
+def could_grow(survivals: list[np.ndarray], shapes: list[tuple[int, int]], sps: SPS, n_requests: int,
+               capacity: int) -> bool:
+    """Whether K + 1 drafts could beat K if the next draft were as likely to be accepted as the K-th, the best it
+    can be (pooled survivals are sorted): the extra slot ``draft_depth_for`` drafts exists only so that K can grow,
+    and where even this bound says it cannot, that slot is drafting time spent on nothing. Same inputs as
+    ``capacity_from_survivals``; ``capacity`` >= 1."""
+    base, pooled = int(n_requests), sum(rows for rows, _ in shapes)
+    gains = _gains(survivals, shapes, base, pooled)  # [n_cand + 1]
+    k = int(capacity)
+    if not 1 <= k < gains.size:
+        raise ValueError(f"capacity must lie in 1..{gains.size - 1}, got {capacity}")
+    prices, _ = _capacity_prices(sps, base, k + 1)
+    bound = gains[k] + (gains[k] - gains[k - 1])
+    return bool((base + bound) * prices[k + 1] > (base + gains[k]) * prices[k])
+
+
 def _capacity_prices(sps: SPS, base: int, n_cand: int) -> tuple[np.ndarray, float | None]:
     """SPS of a step of ``base`` requests verifying K = 0..n_cand drafts, drafting priced at depth K + 1 ->
     ([n_cand + 1], and for a SpeedProfile the seconds of a plain step, which K = 0 is scored by instead).
