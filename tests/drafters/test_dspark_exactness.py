@@ -282,9 +282,7 @@ def test_t1_output_distribution_with_partial_probes():
 
 RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0.9, max_age=4),
          "near-threshold probe": dict(min_gain=0.5, near_loss=0.9, max_age=4),
-         "early stop below K": dict(early_stop=1, min_gain=0.0, max_age=4),
-         "no extra slot": dict(lean_depth=1, min_gain=0.0, max_age=4),
-         "shallow probe": dict(shallow_probes=1, min_gain=0.5, near_loss=0.9, max_age=4)}
+         "early stop below K": dict(early_stop=1, min_gain=0.0, max_age=4)}
 
 
 def _verify_priced_profile(gamma: int):
@@ -301,7 +299,7 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
     from dspark.scheduling.registry import make_policy
 
     priced = _depth_priced_profile
-    if rule in ("early stop below K", "no extra slot"):  # a random head's confidences are all ~0.5: spread them
+    if RULES[rule].get("early_stop"):  # a random head gives confidences of ~0.5 everywhere: spread them
         priced = _verify_priced_profile
         with torch.no_grad():
             drafter.model.confidence.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
@@ -315,8 +313,6 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
             if policy._memo[2] <= 1.0 + policy.min_gain:
                 seen.add("kept drafting below the entry margin")
         if policy._probing:
-            if policy.draft_depth(drafter.gamma) < drafter.gamma:
-                seen.add("shallow probe")
             probes[0] += 1
             if probes[0] >= 2 and policy._interval == policy.reprobe_every:  # backing off would have doubled it
                 seen.add("near-threshold probe")
@@ -326,8 +322,6 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
         lengths = select(c, **kwargs)
         if policy.last_capacity and lengths.sum() < async_schedule(c, policy.last_capacity).sum():
             seen.add("early stop below K")
-        if policy.last_capacity and policy.draft_depth(drafter.gamma) == policy.last_capacity < drafter.gamma:
-            seen.add("no extra slot")
         return lengths
 
     policy.prepare, policy.select = spy, select_spy

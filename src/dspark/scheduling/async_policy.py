@@ -75,11 +75,6 @@ class AsyncPolicy:
     more than a second (81 against 57 ms), no slot-2 confidence could make K = 2 pay, and drafting slot 2 for
     nothing cost 1.1 ms a step. Lossless: it reads the same old confidences as K.
 
-    With ``shallow_probes`` a probe drafts only as deep as the best K its last pricing found (plus the extra
-    slot), not the whole block: at C = 2 on the dev CPU's slow phase 6.8 % of the steps were probes drafting both
-    requests 7 slots deep (21 ms on a 56 ms step) to learn whether K = 1 or 2 pays again. Lossless: the depth
-    comes from old confidences.
-
     With ``online_calibration`` (policy ``async-online``) every confidence it uses is first scaled by the ratio of
     accepted to predicted drafts on the verified slots so far (``acceptance_tracker.py``); the engine reports each
     verified step through ``observe_outcomes``. Not the default: on the dev CPU it lowered the verify budget where
@@ -94,7 +89,7 @@ class AsyncPolicy:
                  pool_requests: int = 8, pool_steps: int = 8, online_calibration: bool = False,
                  min_gain: float = 0.03, probe_requests: int = 2, stay_gain: float | None = 0.0,
                  reprobe_every: int | None = None, max_age: int | None = 16, near_loss: float = 0.05,
-                 early_stop: bool = False, lean_depth: bool = False, shallow_probes: bool = False):
+                 early_stop: bool = False, lean_depth: bool = False):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -127,9 +122,6 @@ class AsyncPolicy:
         if lean_depth not in (0, 1):
             raise ValueError(f"lean_depth must be a bool (0 or 1), got {lean_depth!r}")
         self.lean_depth = bool(lean_depth)
-        if shallow_probes not in (0, 1):
-            raise ValueError(f"shallow_probes must be a bool (0 or 1), got {shallow_probes!r}")
-        self.shallow_probes = bool(shallow_probes)
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
         self.reset()
@@ -202,9 +194,8 @@ class AsyncPolicy:
 
     def draft_depth(self, gamma: int) -> int:
         """Slots worth drafting this step (after ``prepare``): K caps how deep any request can verify."""
-        if self.last_capacity is None:  # Algorithm 1: the first steps and the probes
-            priced = self._memo[1]  # the best K of the last pricing (0: none yet)
-            return draft_depth_for(priced, gamma) if self.shallow_probes and self._probing and priced else gamma
+        if self.last_capacity is None:
+            return gamma
         return draft_depth_for(self.last_capacity if self._grow else self.last_capacity - 1, gamma)
 
     def requests_to_draft(self, n_requests: int) -> int:
@@ -233,7 +224,7 @@ class AsyncPolicy:
         if self.tracker is not None:
             c = self.tracker.adjust(c)
         if self.last_capacity is None:
-            return sync_prefix_schedule(c, self.sps, depth=c.shape[1] if self.shallow_probes else None)
+            return sync_prefix_schedule(c, self.sps)
         if self.early_stop:
             return sync_prefix_schedule(c, self.sps, capacity=self.last_capacity,
                                         depth=self.draft_depth(c.shape[1]))
