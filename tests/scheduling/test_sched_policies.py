@@ -131,10 +131,9 @@ def test_capped_algorithm_1_stops_early_or_at_the_cap():
 
 
 def test_capped_algorithm_1_prices_drafting_at_the_depth_drafted():
-    # One request, verifying a draft costs 1 ms on a 10 ms step; drafting 0.5 ms + 1.5 ms per slot past the
-    # first. With drafting sunk, slot 1 at c = 0.2 pays at depth 1 (1.2 / 11.5 > 1 / 10.5 ms) but not at depth 7
-    # where the drafting makes the step so long that... it still pays: only verify cost decides, and 1 ms of
-    # verify against 0.2 more tokens is 10 % of a ~20 ms step. Check the depth is passed through the profile.
+    # One request; verifying a draft costs 1 ms on a 10 ms step; drafting costs 0.5 ms at depth 1 and 9.5 ms at
+    # depth 7. Drafting is sunk, but a longer step makes the same 1 ms of verify relatively cheaper, so a slot-1
+    # confidence of 0.08 is not worth verifying after a 1-slot draft and is after a 7-slot one.
     prof = SpeedProfile((1, 2), (0.010, 0.011), (1, 16), (0.0095, 0.0095), shallow_draft_seconds=(0.0005, 0.0005),
                         draft_depth=7)
     c = np.array([[0.08, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]])
