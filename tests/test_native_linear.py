@@ -116,6 +116,24 @@ def test_projection_benchmark_times_every_available_kernel():
     assert all(r["seconds"] > 0 and r["gb_per_s"] > 0 for r in rows)
 
 
+def test_projection_benchmark_command_saves_the_rows_asked_for(monkeypatch, tmp_path):
+    import json
+    import types
+
+    from dspark.bench import kernels
+    from dspark.models import loader
+    from helpers import hf_model, ours_from_hf
+
+    model = ours_from_hf(hf_model("llama"), fast_kernels=True)
+    monkeypatch.setattr(loader, "load_model", lambda name: types.SimpleNamespace(model=model))
+    kernels.main(["--rows", "1,3", "--repeats", "2", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "kernels.json").read_text())
+    assert sorted({r["rows"] for r in saved["results"]}) == [1, 3] and "cpu" in saved["machine"]
+    assert "| torch linear | 3 |" in (tmp_path / "kernels.md").read_text()
+    with pytest.raises(SystemExit):
+        kernels.main(["--rows", "0"])
+
+
 def test_packed_row_counts_are_bucketed_and_padding_changes_no_row():
     from dspark.models.layers import bucket_rows
 

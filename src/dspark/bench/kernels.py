@@ -3,7 +3,10 @@
 Part of `dspark bench runtime`. For 1..8 rows (one decode step of that many requests, or a short verification),
 the model's real weights go through plain `F.linear`, oneDNN's pre-packed product and our C kernel
 (models/native.py), one after another; the effective read bandwidth (weight bytes / time) shows how close each
-comes to the machine's memory bandwidth, which bounds batch-1 decoding.
+comes to the machine's memory bandwidth, which bounds batch-1 decoding. Alone (the crossover between the kernels
+moves with the VM's phase, and this table is the quick way to see where it is):
+
+    .venv/bin/python -m dspark.bench.kernels --rows 1,2,3,4,8 --out results/kernels-s19
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models import native
-from .common import median
+from .common import machine_info, markdown_table, median, write_results
 
 ROWS = (1, 2, 4, 8)
 
@@ -31,14 +34,14 @@ def _kernels(projs) -> dict:
     return out
 
 
-def projection_kernels(model, repeats: int = 7) -> list[dict]:
+def projection_kernels(model, repeats: int = 7, rows: tuple[int, ...] = ROWS) -> list[dict]:
     """Median seconds for all projections of one forward, per kernel and row count (the kernels interleaved)."""
     projs = _projections(model)
     nbytes = sum(p.weight.numel() * p.weight.element_size() for p in projs)
     kernels = _kernels(projs)
     rows_out = []
-    for rows in ROWS:
-        xs = [torch.randn(rows, p.weight.shape[1], dtype=p.weight.dtype) for p in projs]
+    for n_rows in rows:
+        xs = [torch.randn(n_rows, p.weight.shape[1], dtype=p.weight.dtype) for p in projs]
         times = {name: [] for name in kernels}
         for _ in range(repeats):
             for name, fn in kernels.items():
@@ -48,7 +51,35 @@ def projection_kernels(model, repeats: int = 7) -> list[dict]:
                 times[name].append(time.perf_counter() - t0)
         for name, ts in times.items():
             s = median(ts[1:])
-            rows_out.append({"kernel": name, "rows": rows, "seconds": s, "gb_per_s": nbytes / s / 1e9,
+            rows_out.append({"kernel": name, "rows": n_rows, "seconds": s, "gb_per_s": nbytes / s / 1e9,
                              "weight_mb": nbytes / 1e6})
-            print(f"projections {name:14s} rows={rows}: {s * 1000:6.1f} ms  {nbytes / s / 1e9:5.1f} GB/s", flush=True)
+            print(f"projections {name:14s} rows={n_rows}: {s * 1000:6.1f} ms  {nbytes / s / 1e9:5.1f} GB/s", flush=True)
     return rows_out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    from pathlib import Path
+
+    from ..models.loader import load_model
+
+    ap = argparse.ArgumentParser(description="every projection of one forward through each CPU kernel")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=None, help="directory for kernels.json and kernels.md")
+    args = ap.parse_args(argv)
+    rows = tuple(int(r) for r in args.rows.split(","))
+    if not rows or min(rows) < 1:
+        ap.error(f"--rows needs positive row counts, got {args.rows!r}")
+    model = load_model(args.model).model
+    results = projection_kernels(model, repeats=args.repeats, rows=rows)
+    if args.out:
+        table = markdown_table(["kernel", "rows", "ms", "GB/s"], [[r["kernel"], r["rows"], 1e3 * r["seconds"],
+                                                                   r["gb_per_s"]] for r in results])
+        write_results(Path(args.out), "kernels", {"machine": machine_info(), "model": args.model,
+                                                  "results": results}, table + "\n")
+
+
+if __name__ == "__main__":
+    main()

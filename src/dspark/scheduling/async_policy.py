@@ -68,12 +68,15 @@ class AsyncPolicy:
     next draft no longer pays (``sync_prefix_schedule`` capped at K) instead of taking the top K unconditionally:
     K from a pool of old steps over-promises when the text just turned hard — at C = 1 on the dev CPU 14 % of the
     steps verified K >= 4 drafts of which 15 % were accepted (results/serving-s18-mingain). Lossless for the
-    same reason as Algorithm 1: the cap and the stop read only slots visited earlier.
+    same reason as Algorithm 1: the cap and the stop read only slots visited earlier. Not the default: in the
+    slow phase of session 19 the profile never let K pass 1 at C = 1 and the decisions came out the same
+    (results/serving-s19-early-stop).
 
     With ``lean_depth`` the extra slot is drafted only while K + 1 could pay (``could_grow``: even if the next
     draft were as likely as the K-th): on the dev CPU's slow phase a third token in a one-request step cost 24 ms
     more than a second (81 against 57 ms), no slot-2 confidence could make K = 2 pay, and drafting slot 2 for
-    nothing cost 1.1 ms a step. Lossless: it reads the same old confidences as K.
+    nothing cost 1.1 ms a step. Lossless: it reads the same old confidences as K. Not the default: drafting fell
+    from 10.8 to 10.4 % of step time at C = 1 and throughput did not move measurably (results/serving-s19-lean).
 
     With ``online_calibration`` (policy ``async-online``) every confidence it uses is first scaled by the ratio of
     accepted to predicted drafts on the verified slots so far (``acceptance_tracker.py``); the engine reports each
@@ -175,8 +178,8 @@ class AsyncPolicy:
                 else:
                     survivals = [a for _, a in c_old]
                 priced = capacity_from_survivals(survivals, shapes, self.sps, n_requests)
-                grow = not (self.lean_depth and priced[0] >= 1) or could_grow(survivals, shapes, self.sps,
-                                                                              n_requests, priced[0])
+                grow = (not self.lean_depth or priced[0] < 1
+                        or could_grow(survivals, shapes, self.sps, n_requests, priced[0]))
                 self._memo = (key, *priced, grow)
             _, best, ratio, self._grow = self._memo
             margin = self.stay_gain if self.last_capacity else self.min_gain  # hysteresis: drafting keeps on
