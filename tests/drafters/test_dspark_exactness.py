@@ -282,7 +282,8 @@ def test_t1_output_distribution_with_partial_probes():
 
 RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0.9, max_age=4),
          "near-threshold probe": dict(min_gain=0.5, near_loss=0.9, max_age=4),
-         "early stop below K": dict(early_stop=1, min_gain=0.0, max_age=4)}
+         "early stop below K": dict(early_stop=1, min_gain=0.0, max_age=4),
+         "no extra slot": dict(lean_depth=1, min_gain=0.0, max_age=4)}
 
 
 def _verify_priced_profile(gamma: int):
@@ -294,13 +295,25 @@ def _verify_priced_profile(gamma: int):
                         draft_depth=gamma)
 
 
+def _staircase_profile(gamma: int):
+    from dspark.scheduling.profile import SpeedProfile
+
+    # An odd token count costs a jump (as 3 tokens did after 2 on the dev CPU's slow phase): at one request K = 1
+    # pays and K = 2 could not, whatever slot 2's confidence, so the lean rule drops the extra slot.
+    tokens = tuple(range(1, 17))
+    seconds = tuple(0.010 + 0.001 * (n - 1) + 0.006 * ((n - 1) // 2) for n in tokens)
+    return SpeedProfile(tokens, seconds, (1, 16), (0.001, 0.001), shallow_draft_seconds=(0.0005, 0.0005),
+                        draft_depth=gamma)
+
+
 def _rules_engine(target, drafter, max_running: int, rule: str):
     from dspark.engine.engine import Engine, EngineConfig
     from dspark.scheduling.registry import make_policy
 
     priced = _depth_priced_profile
-    if RULES[rule].get("early_stop"):  # a random head gives confidences of ~0.5 everywhere: spread them
-        priced = _verify_priced_profile
+    if rule in ("early stop below K", "no extra slot"):  # a random head's confidences are all ~0.5: spread them
+        priced = _verify_priced_profile if rule == "early stop below K" else _staircase_profile
+        max_running = 1 if rule == "no extra slot" else max_running  # where the staircase makes it fire
         with torch.no_grad():
             drafter.model.confidence.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
     policy = make_policy("async", sps=priced(drafter.gamma), **RULES[rule])
@@ -322,6 +335,8 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
         lengths = select(c, **kwargs)
         if policy.last_capacity and lengths.sum() < async_schedule(c, policy.last_capacity).sum():
             seen.add("early stop below K")
+        if policy.last_capacity and policy.draft_depth(drafter.gamma) == policy.last_capacity < drafter.gamma:
+            seen.add("no extra slot")
         return lengths
 
     policy.prepare, policy.select = spy, select_spy

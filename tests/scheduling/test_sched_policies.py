@@ -163,6 +163,42 @@ def test_async_early_stop_verifies_at_most_k_and_stops_where_the_next_draft_does
         AsyncPolicy(prof, early_stop=2)
 
 
+# The dev CPU's slow phase at one request: a second token costs 6 ms, a third 24 ms more; drafting 9-16 ms.
+JUMP = SpeedProfile((1, 2, 3, 4), (0.0510, 0.0567, 0.0809, 0.0856), (1, 16), (0.0156, 0.0156),
+                    shallow_draft_seconds=(0.0088, 0.0088), draft_depth=7)
+FLAT = SpeedProfile((1, 8), (0.0510, 0.0520), (1, 16), (0.0156, 0.0156), shallow_draft_seconds=(0.0088, 0.0088),
+                    draft_depth=7)
+
+
+def test_could_grow_asks_whether_the_next_draft_could_pay_at_its_best():
+    from dspark.scheduling.policies import could_grow, step_survivals
+
+    c = np.array([[0.5, 0.5, 0.5]])
+    pool, shapes = [step_survivals(c)], [c.shape]
+    # K = 1 (1.5 / 66.6 ms beats 1 / 51 ms); K = 2 at best adds another 0.5: 2.0 / 92.0 ms < 1.5 / 66.6 ms
+    assert not could_grow(pool, shapes, JUMP, 1, 1)
+    assert could_grow(pool, shapes, FLAT, 1, 1)
+    narrow = np.array([[0.5]])  # a step drafted without the extra slot still bounds slot 2 by slot 1
+    assert could_grow([step_survivals(narrow)], [narrow.shape], FLAT, 1, 1)
+    with pytest.raises(ValueError, match="capacity"):
+        could_grow(pool, shapes, FLAT, 1, 0)
+
+
+def test_async_lean_depth_drafts_the_extra_slot_only_while_k_could_grow():
+    c = np.array([[0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3]])
+    for prof, extra in ((JUMP, 0), (FLAT, 1)):
+        pol, plain = AsyncPolicy(prof, lean_depth=True, min_gain=0.0), AsyncPolicy(prof, min_gain=0.0)
+        for _ in range(4):
+            for p in (pol, plain):
+                p.prepare(1)
+                p.select(c[:, :p.draft_depth(7)])
+        k = plain.last_capacity
+        assert 1 <= k < 6 and pol.last_capacity == k
+        assert (pol.draft_depth(7), plain.draft_depth(7)) == (k + extra, k + 1)
+    with pytest.raises(ValueError, match="lean_depth"):
+        AsyncPolicy(JUMP, lean_depth=3)
+
+
 def test_async_schedule_top_k_hand_worked():
     c_now = np.array([[0.5, 0.5], [0.99, 0.99]])  # a = [[0.5, 0.25], [0.99, 0.9801]]
     assert async_schedule(c_now, 3).tolist() == [1, 2]
