@@ -306,16 +306,19 @@ def _staircase_profile(gamma: int):
                         draft_depth=gamma)
 
 
+# The profile each rule fires under, and whether only at one request (the staircase's jumps fall there)
+PRICED_BY = {"early stop below K": (_verify_priced_profile, False), "no extra slot": (_staircase_profile, True)}
+
+
 def _rules_engine(target, drafter, max_running: int, rule: str):
     from dspark.engine.engine import Engine, EngineConfig
     from dspark.scheduling.registry import make_policy
 
-    priced = _depth_priced_profile
-    if rule in ("early stop below K", "no extra slot"):  # a random head's confidences are all ~0.5: spread them
-        priced = _verify_priced_profile if rule == "early stop below K" else _staircase_profile
-        max_running = 1 if rule == "no extra slot" else max_running  # where the staircase makes it fire
+    priced, solo = PRICED_BY.get(rule, (_depth_priced_profile, False))
+    if rule in PRICED_BY:  # rules that read the confidences: a random head's are all ~0.5, so spread them
         with torch.no_grad():
             drafter.model.confidence.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+    max_running = 1 if solo else max_running
     policy = make_policy("async", sps=priced(drafter.gamma), **RULES[rule])
     seen, prepare, select, probes = set(), policy.prepare, policy.select, [0]  # probes since the last drafting run
 
