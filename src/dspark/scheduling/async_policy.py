@@ -74,8 +74,8 @@ class AsyncPolicy:
 
     With ``lean_depth`` the extra slot is drafted only while K + 1 could pay (``could_grow``: even if the next
     draft were as likely as the K-th): on the dev CPU's slow phase a third token in a one-request step cost 24 ms
-    more than a second (81 against 57 ms), no slot-2 confidence could make K = 2 pay, and drafting slot 2 for
-    nothing cost 1.1 ms a step. Lossless: it reads the same old confidences as K. Not the default: drafting fell
+    more than a second (81 against 57 ms, ``dspark profile --drafter dspark``), no slot-2 confidence could make
+    K = 2 pay, and drafting slot 2 for nothing cost ~1.1 ms a step (the profile's depth-1 and depth-7 prices). Lossless: it reads the same old confidences as K. Not the default: drafting fell
     from 10.8 to 10.4 % of step time at C = 1 and throughput did not move measurably (results/serving-s19-lean).
 
     With ``online_calibration`` (policy ``async-online``) every confidence it uses is first scaled by the ratio of
