@@ -43,13 +43,18 @@ def test_matches_fp64_reference(m, n, k, with_bias):
 
 
 @needs_kernel
-def test_a_row_does_not_depend_on_its_batch_or_the_thread_count():
-    """Decode at concurrency 1 and 2 (or with another thread count) gives bitwise the same logits per request."""
-    g = torch.Generator().manual_seed(0)
-    x, w, b = torch.randn(7, 576, generator=g), torch.randn(1003, 576, generator=g), torch.randn(1003, generator=g)
-    alone = torch.cat([_run(x[i:i + 1], w, b) for i in range(7)])
+@pytest.mark.parametrize("m", [2, 3, 4, 7, 16])
+@pytest.mark.parametrize("n,k", [(1003, 576), (30, 1541), (5, 64)])
+def test_a_row_does_not_depend_on_its_batch_or_the_thread_count(m, n, k):
+    """Decode at concurrency 1 and 2, a verify step of m tokens, or another thread count: bitwise the same
+    logits per row. Two or more rows take the kernel's tiles (and an odd last row or W rows past the last full
+    tile take its one-row blocks), one row never does, so this pins that every path sums in the same order."""
+    g = torch.Generator().manual_seed(m * n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    alone = torch.cat([_run(x[i:i + 1], w, b) for i in range(m)])
     assert torch.equal(_run(x, w, b), alone)
     assert torch.equal(_run(x, w, b, threads=1), alone)
+    assert torch.equal(_run(x[1:], w, b), alone[1:])  # the same row as first or second of a tile
 
 
 @needs_kernel

@@ -41,14 +41,14 @@ def _cpu_signature() -> str:
     return platform.machine() + platform.processor() + flags
 
 
-def _build(cache_dir: Path, source_path: Path = SOURCE) -> Path | None:
+def _build(cache_dir: Path, source_path: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> Path | None:
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
         log.info("no C compiler found; using torch's kernels instead of %s", source_path.name)
         return None
     source = source_path.read_bytes()
     errors = []
-    for flags in FLAG_SETS:
+    for flags in ([*f, *extra_flags] for f in FLAG_SETS):
         key = hashlib.sha256(source + " ".join([cc, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
         out = cache_dir / f"{source_path.stem}-{key}.so"
         if out.exists():
@@ -73,7 +73,7 @@ def _build(cache_dir: Path, source_path: Path = SOURCE) -> Path | None:
 def _self_check(fn) -> bool:
     """Guard against a miscompiled or ABI-mismatched library: compare with fp64 on awkward shapes."""
     g = torch.Generator().manual_seed(0)
-    for m, n, k in ((1, 7, 13), (3, 9, 40), (5, 4, 8)):
+    for m, n, k in ((1, 7, 13), (3, 9, 40), (5, 4, 8), (4, 30, 19)):  # one-row blocks, tiles, leftovers
         x, w, b = (torch.randn(*s, generator=g) for s in ((m, k), (n, k), (n,)))
         y = torch.empty(m, n)
         fn(x.data_ptr(), m, w.data_ptr(), b.data_ptr(), n, k, y.data_ptr(), 1)
@@ -82,14 +82,15 @@ def _self_check(fn) -> bool:
     return True
 
 
-def load_function(source: Path, symbol: str, cache_dir: str | None = None):
-    """`symbol` from `source` built into the dspark cache, or None (no compiler, failed build or load, or
-    `DSPARK_NATIVE=0`). The caller sets the signature and runs its own self-check."""
+def load_function(source: Path, symbol: str, cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()):
+    """`symbol` from `source` built into the dspark cache (with `extra_flags` after each flag set), or None (no
+    compiler, failed build or load, or `DSPARK_NATIVE=0`). The caller sets the signature and runs its own
+    self-check."""
     if os.environ.get("DSPARK_NATIVE", "1") == "0":
         return None
     from .loader import cache_root
 
-    path = _build(Path(cache_dir) if cache_dir else cache_root() / "native", source)
+    path = _build(Path(cache_dir) if cache_dir else cache_root() / "native", source, extra_flags)
     if path is None:
         return None
     try:
@@ -102,7 +103,8 @@ def load_function(source: Path, symbol: str, cache_dir: str | None = None):
 @functools.cache
 def kernel(cache_dir: str | None = None):
     """The loaded C function, or None where it cannot be used (see the module docstring). Cached per process."""
-    fn = load_function(SOURCE, "dspark_linear", cache_dir)
+    # contraction off: the source places every fused multiply-add itself (see its header)
+    fn = load_function(SOURCE, "dspark_linear", cache_dir, extra_flags=("-ffp-contract=off",))
     if fn is None:
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
