@@ -58,18 +58,22 @@ def test_a_row_does_not_depend_on_its_batch_or_the_thread_count(m, n, k):
 
 
 @needs_kernel
-def test_projection_uses_it_for_decode_rows_only(monkeypatch):
+def test_projection_uses_it_up_to_its_row_limit(monkeypatch):
     w = torch.randn(64, 32)
     proj = Projection(w, packed=True, native=True)
     assert proj.native
     calls = []
     monkeypatch.setattr(native, "linear", lambda *a: calls.append(a[0].shape[0]) or F.linear(*a))
-    for rows in (1, 2, 3, 8):
+    assert proj.native_rows == native.DEFAULT_ROWS == 3  # until kernel_choice measures this machine
+    for rows in (1, 2, 3, 4, 8):
         proj(torch.randn(rows, 32))
-    assert calls == [1, 2]
+    assert calls == [1, 2, 3]
+    proj.native_rows = 8
+    proj(torch.randn(8, 32))
+    assert calls == [1, 2, 3, 8]
     x = torch.randn(1, 32, requires_grad=True)  # no backward in C: autograd inputs take the torch path
     proj(x).sum().backward()
-    assert calls == [1, 2] and x.grad is not None
+    assert calls == [1, 2, 3, 8] and x.grad is not None
     assert not Projection(w, native=False).native
     assert not Projection(w.double(), native=True).native  # fp32 only
 
@@ -149,3 +153,15 @@ def test_packed_row_counts_are_bucketed_and_padding_changes_no_row():
     for rows in (9, 10, 30):
         x = torch.randn(rows, 40)
         assert torch.allclose(proj(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_projection_benchmark_times_another_kernel_source_beside_ours():
+    from dspark.bench.kernels import projection_kernels
+    from helpers import hf_model, ours_from_hf
+
+    model = ours_from_hf(hf_model("llama"), fast_kernels=True)
+    rows = projection_kernels(model, repeats=2, rows=(3,), compare=str(native.SOURCE))
+    assert {r["kernel"] for r in rows} >= {"native (ours)", "native (native_linear)"}
+    with pytest.raises(SystemExit, match="could not build"):
+        projection_kernels(model, repeats=2, rows=(3,), compare="/nonexistent/kernel.c")

@@ -207,13 +207,15 @@ def add_profile(sub) -> None:
 
 def run_profile(args) -> int:
     from .engine.profiling import load_or_profile, profile_key, profile_path
-    from .models import load_model
+    from .models import kernel_choice, load_model
 
     from .drafters import make_drafter
 
     loaded = load_model(args.model, dtype=args.dtype)
+    if args.force:  # the kernel crossover is part of what a step costs, so it is measured again too
+        print(f"# our C kernel serves projections of up to {kernel_choice.tune(loaded.model, force=True)} rows")
     drafter = None if args.drafter == "none" else make_drafter(args.drafter, target=loaded.model)
-    key = profile_key(args.model, args.dtype, drafter.profile_id if drafter else "none")
+    key = profile_key(args.model, args.dtype, drafter.profile_id if drafter else "none", loaded.model)
     prof = load_or_profile(loaded.model, key, repeats=args.repeats, force=args.force, drafter=drafter)
     print(f"# speed profile ({prof.source}) cached at {profile_path(key)}")
     print("tokens\tms/step\tsteps/s")

@@ -20,13 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from ..models import native
+from ..models.kernel_choice import projections
 from .common import machine_info, markdown_table, median, write_results
 
 ROWS = (1, 2, 4, 8)
-
-
-def _projections(model) -> list:
-    return [p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
 
 
 def _run_c(fn, p, x):
@@ -38,7 +35,7 @@ def _run_c(fn, p, x):
 
 def _compare_kernel(source: str):
     """`dspark_linear` from another source file, built with the base flag sets only (no per-source extras)."""
-    fn = native.load_function(Path(source), "dspark_linear")
+    fn = native.load_function(Path(source), "dspark_linear") if Path(source).is_file() else None
     if fn is None:
         raise SystemExit(f"could not build or load dspark_linear from {source}")
     fn.argtypes, fn.restype = native.kernel().argtypes, None
@@ -58,7 +55,7 @@ def _kernels(projs, compare: str | None = None) -> dict:
 
 def projection_kernels(model, repeats: int = 7, rows: tuple[int, ...] = ROWS, compare: str | None = None) -> list[dict]:
     """Median seconds for all projections of one forward, per kernel and row count (the kernels interleaved)."""
-    projs = _projections(model)
+    projs = projections(model)
     nbytes = sum(p.weight.numel() * p.weight.element_size() for p in projs)
     kernels = _kernels(projs, compare)
     rows_out = []

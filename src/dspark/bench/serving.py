@@ -180,7 +180,7 @@ def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_
     traces = AcceptanceTraces.load(cfg.traces)
     if traces.gamma != cfg.gamma:
         raise ValueError(f"{cfg.traces} was recorded at γ = {traces.gamma}, the benchmark runs γ = {cfg.gamma}")
-    profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id), drafter=drafter)
+    profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id, loaded.model), drafter=drafter)
     for cell in cells:
         policy = build_policy(cell["policy"], drafter, cfg.model, cfg.dtype, loaded.model, cfg.gamma)
         loop = ClosedLoop(cell["concurrency"], cfg.max_new_tokens, prompt_tokens=prompt_tokens)

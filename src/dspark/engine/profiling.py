@@ -6,6 +6,8 @@ the steps the scheduler compares directly: R requests of k tokens each (k = 1: p
 """
 from __future__ import annotations
 
+import hashlib
+
 import logging
 from pathlib import Path
 
@@ -107,12 +109,17 @@ def drafter_step_fn(model: Transformer, drafter, depth: int | None = None):
     return step
 
 
-def profile_key(model_id: str, dtype: str, drafter_id: str = "none") -> ProfileKey:
-    """The native kernels change the price of a step (projections of 1-2 rows; attention of short segments, the
-    per-request cost), so a profile measured without one of them (or before it existed) is stale and re-measured."""
+def profile_key(model_id: str, dtype: str, drafter_id: str = "none", model: Transformer | None = None) -> ProfileKey:
+    """The native kernels change the price of a step (projections of a few rows; attention of short segments, the
+    per-request cost), so a profile measured without one of them, with another version of the projection kernel,
+    or with another row limit for it (kernel_choice; read from `model`) is stale and re-measured."""
     fp32 = dtype == "float32"
-    used = [name for name, ok in (("native", fp32 and native.kernel() is not None),
-                                  ("attention", fp32 and native_attention.kernel() is not None)) if ok]
+    used = []
+    if fp32 and native.kernel() is not None:
+        rows = "" if model is None or not model.lm_head.native else f"<={model.lm_head.native_rows}"
+        used.append(f"native@{hashlib.sha256(native.SOURCE.read_bytes()).hexdigest()[:8]}{rows}")
+    if fp32 and native_attention.kernel() is not None:
+        used.append("attention")
     kernels = "+".join(used) or "torch"
     return ProfileKey(model_id=model_id, drafter_id=drafter_id, machine=current_machine(), dtype=dtype,
                       kernels=kernels)

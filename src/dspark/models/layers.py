@@ -130,15 +130,21 @@ class Projection:
         self.bias = bias
         self.packed = _pack(weight) if packed else None
         self.native = native and native_kernel.usable(weight) and (bias is None or bias.is_contiguous())
+        self.native_rows = native_kernel.DEFAULT_ROWS  # measured per machine by kernel_choice.tune
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows == 0 or x.requires_grad:  # neither fast kernel has a backward
             return F.linear(x, self.weight, self.bias)
-        if self.native and rows <= native_kernel.MAX_ROWS:
+        if self.native and rows <= self.native_rows:
             return native_kernel.linear(x, self.weight, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
+        return self.packed_linear(x)
+
+    def packed_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN's product with the pre-packed weight, rows padded to a bucket."""
+        rows = x.shape[0]
         size = bucket_rows(rows)
         if size != rows:
             x = torch.cat([x, x.new_zeros(size - rows, x.shape[1])])

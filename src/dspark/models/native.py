@@ -3,8 +3,8 @@
 Why: at batch 1 a decode step is ~120 products of one vector with a weight matrix, so its speed is the speed of
 reading the fp32 weights (538 MB for SmolLM2-135M). Measured on the 2-core dev machine (torch 2.13, SmolLM2's
 shapes, weights cold in cache; the projection table of `dspark bench runtime` reproduces it): oneDNN's pre-packed
-product reads them at ~20-23 GB/s for one row, this kernel at ~30 GB/s — the machine's read bandwidth. From 3-4
-rows up oneDNN's blocking wins, so callers use the kernel for at most MAX_ROWS rows.
+product reads them at ~20-23 GB/s for one row, this kernel at ~30 GB/s — the machine's read bandwidth. For more
+rows the crossover with oneDNN's blocking moves with the machine, so models/kernel_choice.py measures it.
 
 The kernel is built once per source, flags and CPU into the dspark cache with the system C compiler (`$CC`, else
 `cc`). With no compiler, a failed build, a failed self-check, or `DSPARK_NATIVE=0`, `kernel()` is None and callers
@@ -28,7 +28,11 @@ import torch
 
 log = logging.getLogger("dspark")
 SOURCE = Path(__file__).with_name("native_linear.c")
-MAX_ROWS = 2  # measured crossover with oneDNN's packed kernel (see the module docstring)
+# Rows up to which a projection uses this kernel before models/kernel_choice.py has measured this machine's
+# crossover with oneDNN's packed product (and for projections it does not measure, e.g. a drafter's): with
+# 2 x 6 tiles the kernel won at 1-16 rows in results/kernels-s20; its predecessor lost from 4 rows in a faster
+# phase (results/runtime-s16), so the default stays below that.
+DEFAULT_ROWS = 3
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
 
 
