@@ -6,11 +6,14 @@
         --after-target-step --out results/drafter-kernels
     .venv/bin/python scripts/propose_cost.py --requests 1,2,4,16 --repeats 25 --depths 2,4,7 --ab-bf16 \
         --after-target-step --out results/drafter-bf16
+    .venv/bin/python scripts/propose_cost.py --requests 1,2,4 --repeats 25 --depths 1,4,7 --ab-native-rows 3,16 \
+        --after-target-step --out results/drafter-native-rows
 
 Greedy batches carry no full-vocabulary distributions (point masses); `depth` is what a fixed-K policy asks for.
 `--ab-kernels` times each proposal with the drafter's inference kernels (drafters/draft_kernels.py) and with its
 reference nn.Linear products, in a shuffled order within one process; `--ab-bf16` likewise with the kernels in
-fp32 and with bf16 products (draft_kernels.py: bf16 LM head, bf16 projections from 3 rows up).
+fp32 and with bf16 products (draft_kernels.py: bf16 LM head, bf16 projections from 3 rows up); `--ab-native-rows
+A,B` with our C kernel serving the drafter's fp32 projections and head up to A, then B rows (kernel_choice.py).
 `--after-target-step` runs a one-token target forward before every proposal, as an engine step does, so the
 drafter's weights are no longer in cache (a proposal repeated back to back reads them warm and looks cheaper than
 it is in the engine).
@@ -60,6 +63,7 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
     ap.add_argument("--ab-kernels", action="store_true", help="kernels on vs the reference products, interleaved")
     ap.add_argument("--ab-bf16", action="store_true", help="fp32 kernels vs bf16 products, interleaved")
+    ap.add_argument("--ab-native-rows", default=None, help="comma-separated C-kernel row limits to compare")
     ap.add_argument("--after-target-step", action="store_true", help="a one-token target forward before each")
     ap.add_argument("--out", type=Path, default=None, help="write propose_cost.json / .md here")
     args = ap.parse_args()
@@ -96,8 +100,10 @@ def main() -> None:
 
 def mode_setters(drafter, model, args) -> dict:
     """name -> a function putting the drafter in that mode; the first is the default (what `propose` runs)."""
-    if args.ab_kernels and args.ab_bf16:
-        raise SystemExit("--ab-kernels and --ab-bf16 are separate comparisons: pick one")
+    if sum(map(bool, (args.ab_kernels, args.ab_bf16, args.ab_native_rows))) > 1:
+        raise SystemExit("--ab-kernels, --ab-bf16 and --ab-native-rows are separate comparisons: pick one")
+    if args.ab_native_rows:
+        return {f"rows<={n}": _rows_setter(drafter, int(n)) for n in args.ab_native_rows.split(",")}
     if args.ab_bf16:
         packed, native = model.lm_head.packed is not None, model.lm_head.native
         modes = {}
@@ -113,6 +119,19 @@ def mode_setters(drafter, model, args) -> dict:
     if args.ab_kernels or not attached:
         modes["reference"] = _setter(drafter, {m: None for m in attached}, drafter.draft_logits)
     return modes
+
+
+def _rows_setter(drafter, limit: int):
+    projections = [fast.projection for m in drafter.model.modules()
+                   for fast in m.__dict__.get("fast_linears", {}).values()]
+    head = getattr(drafter.draft_logits, "projection", None)
+    if not projections and head is None:
+        raise SystemExit("--ab-native-rows: this drafter runs no projection through our kernels")
+
+    def set_mode() -> None:
+        for p in projections + ([head] if head is not None else []):
+            p.native_rows = limit
+    return set_mode
 
 
 def _setter(drafter, kernels: dict, head):

@@ -145,3 +145,20 @@ def test_bf16_is_on_by_default_only_where_the_cpu_multiplies_bf16(target):
     auto = DSparkDrafter(tiny_drafter(target).model, target, bf16=None)
     assert auto.bf16 == (target.lm_head.packed is not None and draft_kernels.bf16_is_fast())
     assert auto.profile_id.endswith("-bf16") == auto.bf16
+
+
+def test_the_drafter_takes_the_targets_measured_row_limit(target):
+    """kernel_choice measures the C kernel's crossover on the target; the drafter's projections and head follow it
+    (the same kernel as the target for the same row count), whatever limit was measured."""
+    if not target.lm_head.native:
+        pytest.skip("no C kernel in this build: nothing to route")
+    saved = target.lm_head.native_rows
+    target.lm_head.native_rows = 11
+    try:
+        drafter = tiny_drafter(target, head_scale=1.0, block=4)
+    finally:
+        target.lm_head.native_rows = saved
+    limits = {fast.projection.native_rows for m in drafter.model.modules()
+              for fast in m.__dict__.get("fast_linears", {}).values()}
+    head = getattr(drafter.draft_logits, "projection", None)
+    assert limits == {11} and (head is None or head.native_rows == 11)

@@ -4,8 +4,8 @@ The drafter is trained with plain `nn.Linear`, whose CPU product (aten::mm) is s
 the 2-core dev machine one DSpark proposal spent 1.7 ms of its 4.4 ms in the draft layer's four projections on
 7 rows and 0.65 ms in four [1 × 64] · [64 × 16,384] Markov products, while the drafter's LM head — already on the
 target's pre-packed oneDNN kernel — read 2.5× more weight bytes in 0.7 ms. `attach` gives each projection the
-kernel the target uses for the same row count (`models.layers.Projection`: the C kernel for 1–2 rows, pre-packed
-oneDNN above), for inference only:
+kernel the target uses for the same row count (`models.layers.Projection`: the C kernel up to the row limit
+measured for the target, models/kernel_choice.py, pre-packed oneDNN above), for inference only:
 
 * under autograd (training) the module's own `nn.Linear` runs, so gradients are unchanged;
 * a packed copy is a snapshot of the weight; if the weight is changed in place afterwards (an optimizer step,
@@ -48,12 +48,14 @@ class FastLinear:
     """A `Projection` of ``weight[rows]`` (+ bias) standing in for an `nn.Linear` outside autograd."""
 
     def __init__(self, linear: nn.Linear, rows: slice | None = None, *, packed: bool, native: bool,
-                 bf16: bool = False):
+                 bf16: bool = False, native_rows: int | None = None):
         self.linear, self.rows = linear, rows or slice(None)
         self.version = linear.weight._version
         weight = linear.weight.detach()[self.rows].contiguous()
         self.bias = None if linear.bias is None else linear.bias.detach()[self.rows].contiguous()
         self.projection = Projection(weight, self.bias, packed=packed, native=native)
+        if native_rows is not None:
+            self.projection.native_rows = native_rows
         self.wide = bf16_projection(weight) if bf16 else None  # for BF16_MIN_ROWS rows and more
 
     def usable(self, x: torch.Tensor) -> bool:
@@ -87,9 +89,10 @@ def linear(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
     return fast(x) if fast is not None else getattr(module, name)(x)
 
 
-def attach(model: nn.Module, *, packed: bool, native: bool, bf16: bool = False) -> int:
+def attach(model: nn.Module, *, packed: bool, native: bool, bf16: bool = False, native_rows: int | None = None) -> int:
     """Give every draft layer, the feature fusion and a Markov/RNN head's output projection an inference kernel
-    (`bf16`: bf16 weights from 3 rows up). Returns how many projections got one (0 when no kernel is wanted)."""
+    (`bf16`: bf16 weights from 3 rows up; `native_rows`: our C kernel's row limit, the target's measured one).
+    Returns how many projections got one (0 when no kernel is wanted)."""
     if not (packed or native or bf16):
         return 0
     count = 0
@@ -98,10 +101,11 @@ def attach(model: nn.Module, *, packed: bool, native: bool, bf16: bool = False) 
                                                                                    nn.Linear)]
         if not names:
             continue
-        fast = {n: FastLinear(getattr(module, n), packed=packed, native=native, bf16=bf16) for n in names}
+        fast = {n: FastLinear(getattr(module, n), packed=packed, native=native, bf16=bf16, native_rows=native_rows)
+                for n in names}
         if "qkv" in fast and hasattr(module, "heads"):  # the context K/V use only the k and v rows of qkv
             fast["kv"] = FastLinear(module.qkv, slice(module.heads * module.head_dim, None), packed=packed,
-                                    native=native, bf16=bf16)
+                                    native=native, bf16=bf16, native_rows=native_rows)
         module.__dict__["fast_linears"] = fast  # a plain attribute: not a submodule, never in the state dict
         count += len(fast)
     return count

@@ -56,7 +56,8 @@ class DSparkDrafter(BatchFirstDrafter):
         self.bf16 = (packed and bf16_is_fast()) if bf16 is None else bool(bf16)
         self.draft_logits = inference_head(model, target, self.bf16)  # h [..., d] -> fp32 logits [..., Vd]
         # the target's CPU kernels for the drafter's own projections too (draft_kernels.py)
-        self.kernels = attach_kernels(model, packed=packed, native=target.lm_head.native, bf16=self.bf16)
+        self.kernels = attach_kernels(model, packed=packed, native=target.lm_head.native, bf16=self.bf16,
+                                      native_rows=target.lm_head.native_rows)
 
     @property
     def profile_id(self) -> str:

@@ -141,10 +141,12 @@ def inference_head(model: DraftVocabMixin, target, bf16: bool = False):
         head, dtype = bf16_projection(rows), torch.bfloat16
     else:
         head = Projection(rows.contiguous(), packed=target.lm_head.packed is not None, native=target.lm_head.native)
+        head.native_rows = target.lm_head.native_rows  # the same kernel as the target's head for the same rows
         dtype = target.dtype
 
     def logits(h: torch.Tensor) -> torch.Tensor:
         out = head(h.reshape(-1, h.shape[-1]).to(dtype)).float().view(*h.shape[:-1], -1)
         return torch.tanh(out / cap) * cap if cap else out
 
+    logits.projection = head  # for benchmarks that switch its kernel (scripts/propose_cost.py --ab-native-rows)
     return logits

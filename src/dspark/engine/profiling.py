@@ -24,8 +24,9 @@ PROFILE_REQUESTS = (1, 2, 4, 8, 16, 32)  # drafting cost: one propose() for R re
 CONTEXT = 256
 TOKENS_PER_REQUEST = 4  # a typical steady-state request verifies its anchor plus a few drafts
 # Tokens per request in the (R, k) grid: plain, and 1-4 or 7 drafts (γ = 7). A step's price is a staircase in
-# B here, not a line: 1-2 rows take our C kernel, 3-8 oneDNN at about one price, and more rows are padded to a
-# bucket (layers.bucket_rows; scripts/step_shape_cost.py). With only k = 1, 2, 4, 8 a 3-token R = 1 step was priced
+# B here, not a line: it steps where rows pass our C kernel's measured limit (models/kernel_choice.py; until
+# session 20 that was 2 rows, then 3-8 cost about one oneDNN price) and where they are padded to a bucket
+# (layers.bucket_rows; scripts/step_shape_cost.py). With only k = 1, 2, 4, 8 a 3-token R = 1 step was priced
 # 6 % under its cost, and the async scheduler verified 2 drafts where 1 paid.
 GRID_TOKENS = (1, 2, 3, 4, 5, 8)
 MIN_JOB_SECONDS = 0.1  # steps cheaper than this get up to 4 samples per round (the low-load ones that decide)

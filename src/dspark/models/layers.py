@@ -121,7 +121,8 @@ class Projection:
     `_linear_pointwise` takes 19 / 22 / 18 / 24 ms. The LM head (49,152 × 576) drops from 10 / 48 ms to
     5 / 5 ms at 1 / 8 rows. That flat cost up to ~16 rows is what makes verifying drafts nearly free.
     The packed copy doubles weight memory, so the loader enables it only for small models.
-    For one or two rows (a decode step) our C kernel (models/native.py) reads the weights faster still.
+    For a few rows (decode, short verify blocks) our C kernel (models/native.py) reads the weights faster still,
+    up to `native_rows` rows: native.DEFAULT_ROWS, or the crossover models/kernel_choice.py measured.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False,
