@@ -5,7 +5,6 @@ import torch
 from dspark.decoding import SamplingParams, make_generator
 from dspark.drafters import draft_kernels
 from dspark.drafters.base import DraftRequest
-from dspark.models import native as native_kernel
 from dspark.models.transformer import Segment
 from dspark_testlib import tiny_drafter, tiny_target
 
@@ -140,41 +139,12 @@ def test_bf16_products_draft_what_fp32_drafts_up_to_near_ties(target, head, monk
                 assert float(top2[0] - top2[1]) < 2 * tolerance
 
 
-def test_bf16_is_on_by_default_only_where_the_cpu_has_a_fast_bf16_path(target, monkeypatch):
+def test_bf16_is_on_by_default_only_where_the_cpu_multiplies_bf16(target):
     from dspark.drafters.dspark import DSparkDrafter
 
     auto = DSparkDrafter(tiny_drafter(target).model, target, bf16=None)
-    assert auto.bf16 == (target.lm_head.packed is not None and draft_kernels.bf16_path() is not None)
+    assert auto.bf16 == (target.lm_head.packed is not None and draft_kernels.bf16_is_fast())
     assert auto.profile_id.endswith("-bf16") == auto.bf16
-    monkeypatch.setattr(draft_kernels, "bf16_path", lambda: None)  # emulated bf16 only: slower than fp32
-    assert not DSparkDrafter(tiny_drafter(target).model, target, bf16=None).bf16
-
-
-@pytest.mark.skipif(native_kernel.kernel_bf16w() is None, reason="no C compiler here: no bf16-weight kernel")
-def test_the_bf16_weight_kernel_is_the_fp32_kernel_on_rounded_weights(target):
-    """Our C kernel reading bf16 weights gives bitwise the fp32 kernel's result on the same weights widened, at
-    every row count it serves (one-row blocks and 2 x 6 tiles), and oneDNN's fp32 product above the limit."""
-    torch.manual_seed(0)
-    w, b = torch.randn(50, 40), torch.randn(50)
-    proj = draft_kernels.Bf16WeightProjection(w, b, packed=True, native_rows=5)
-    wide = w.bfloat16().float()
-    for rows in (1, 2, 3, 5, 6, 9):
-        x = torch.randn(rows, 40)
-        got = proj(x)
-        if rows <= 5:
-            assert torch.equal(got, native_kernel.linear(x, wide, b))
-        torch.testing.assert_close(got, torch.nn.functional.linear(x, wide, b), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.skipif(native_kernel.kernel_bf16w() is None, reason="no C compiler here: no bf16-weight kernel")
-def test_bf16_drafting_on_avx2_streams_bf16_weights(target, monkeypatch):
-    """Where oneDNN only emulates bf16, a bf16 drafter's projections and head go through our bf16-weight kernel."""
-    monkeypatch.setattr(draft_kernels, "bf16_is_fast", lambda: False)
-    drafter = tiny_drafter(target, head_scale=1.0, block=4, bf16=True)
-    kinds = {type(fast.projection).__name__ for m in drafter.model.modules()
-             for fast in m.__dict__.get("fast_linears", {}).values()}
-    assert kinds == {"Bf16WeightProjection"}
-    assert isinstance(drafter.draft_logits.projection, draft_kernels.Bf16WeightProjection)
 
 
 def test_the_drafter_takes_the_targets_measured_row_limit(target):

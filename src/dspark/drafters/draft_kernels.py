@@ -11,12 +11,10 @@ measured for the target, models/kernel_choice.py, pre-packed oneDNN above), for 
 * a packed copy is a snapshot of the weight; if the weight is changed in place afterwards (an optimizer step,
   `load_state_dict`) its version counter moves and the module's own product runs instead — never a stale result.
 
-With `bf16=True` (the default where the CPU has a fast bf16 path, `bf16_path`): on CPUs with native bf16 dot
-products, products of `BF16_MIN_ROWS` (3) rows or more read a bf16 copy of the weight through pre-packed oneDNN,
-with bf16 activations and fp32 accumulation: on AVX512-BF16 cores that was 1.4-1.6x faster for the draft layer's
+With `bf16=True` (the default where the CPU has native bf16 dot products, `bf16_is_fast`), products of
+`BF16_MIN_ROWS` (3) rows or more read a bf16 copy of the weight through pre-packed oneDNN, with bf16 activations
+and fp32 accumulation: on the dev machine's AVX512-BF16 cores that is 1.4-1.6x faster for the draft layer's
 projections at 3-7 rows, while at 1-2 rows the fp32 C kernel stays faster (scripts/bf16_projection_cost.py).
-Elsewhere (AVX2), where oneDNN only emulates bf16, our C kernel reads the bf16 weights itself with fp32
-activations (`Bf16WeightProjection`), at every row count up to the target's measured limit.
 The shipped drafter's weights are stored in bf16, so the copy is exact and only the activations are rounded.
 
 Either way the drafter's distribution q moves by float rounding (bf16: ~1e-2 in a logit), so a drafted token can
@@ -28,7 +26,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models import native as native_kernel
 from ..models.layers import Projection
 
 BF16_MIN_ROWS = 3  # below, the fp32 C kernel beats bf16 oneDNN on the draft layer's shapes (bf16_projection_cost.py)
@@ -42,42 +39,9 @@ def bf16_is_fast() -> bool:
     return torch.backends.mkldnn.is_available() and any(f is not None and f() for f in has)
 
 
-def bf16_path() -> str | None:
-    """How the drafter's bf16 products run on this CPU: "onednn" (native bf16 dot products: bf16 activations too),
-    "native" (our C kernel streaming bf16 weights with fp32 activations and sums, models/native_linear.c), or None
-    (only oneDNN's emulated bf16, slower than fp32)."""
-    if bf16_is_fast():
-        return "onednn"
-    return "native" if native_kernel.kernel_bf16w() is not None else None
-
-
-def default_bf16(target) -> bool:
-    """bf16 drafting by default where the target runs on oneDNN and this CPU has a fast bf16 path."""
-    return target.lm_head.packed is not None and bf16_path() is not None
-
-
 def bf16_projection(weight: torch.Tensor) -> Projection:
     """A pre-packed oneDNN product with bf16 weights: call it with bf16 activations; it returns bf16."""
     return Projection(weight.detach().to(torch.bfloat16).contiguous(), packed=True)
-
-
-class Bf16WeightProjection:
-    """x (fp32) · Wᵀ with W rounded to bf16 once: up to `native_rows` rows our C kernel streams the bf16 weights
-    (half the bytes; widened exactly in registers, so the result is bitwise the fp32 kernel's on the rounded
-    weights), above that oneDNN's fp32 product of the same rounded weights. A drafter at a few requests is bound by
-    reading its weights (the DSpark head alone is 16,384 x 576), so this halves most of a proposal's traffic."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, packed: bool,
-                 native_rows: int | None = None):
-        self.weight16 = weight.detach().to(torch.bfloat16).contiguous()  # [out, in]
-        self.bias = bias
-        self.wide = Projection(self.weight16.float(), bias, packed=packed)  # oneDNN (or plain) above the limit
-        self.native_rows = native_kernel.DEFAULT_ROWS if native_rows is None else native_rows
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 0 or x.shape[0] > self.native_rows:
-            return self.wide(x)
-        return native_kernel.linear(x, self.weight16, self.bias)
 
 
 class FastLinear:
@@ -89,10 +53,6 @@ class FastLinear:
         self.version = linear.weight._version
         weight = linear.weight.detach()[self.rows].contiguous()
         self.bias = None if linear.bias is None else linear.bias.detach()[self.rows].contiguous()
-        self.wide = None
-        if bf16 and native and bf16_path() == "native":  # bf16 weights at every row count, fp32 activations
-            self.projection = Bf16WeightProjection(weight, self.bias, packed=packed, native_rows=native_rows)
-            return
         self.projection = Projection(weight, self.bias, packed=packed, native=native)
         if native_rows is not None:
             self.projection.native_rows = native_rows

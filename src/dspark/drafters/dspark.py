@@ -26,7 +26,7 @@ from .base import BatchFirstDrafter, DraftRequest, DrafterError, Proposal, regis
 from .dspark_checkpoint import load_calibration, load_drafter_model
 from .dspark_context import DraftContext
 from .dspark_model import DSparkModel
-from .draft_kernels import attach as attach_kernels, default_bf16
+from .draft_kernels import attach as attach_kernels, bf16_is_fast
 from .frozen_target import inference_head
 
 STATE_KEY = "dspark.context"
@@ -52,8 +52,8 @@ class DSparkDrafter(BatchFirstDrafter):
         self.name = model.arch.drafter_type
         packed = target.lm_head.packed is not None
         # bf16 products for the drafter only (its q; verification keeps the target's fp32): default where the CPU
-        # has a fast bf16 path and the target runs on oneDNN (draft_kernels.py)
-        self.bf16 = default_bf16(target) if bf16 is None else bool(bf16)
+        # multiplies bf16 natively and the target runs on oneDNN (draft_kernels.py)
+        self.bf16 = (packed and bf16_is_fast()) if bf16 is None else bool(bf16)
         self.draft_logits = inference_head(model, target, self.bf16)  # h [..., d] -> fp32 logits [..., Vd]
         # the target's CPU kernels for the drafter's own projections too (draft_kernels.py)
         self.kernels = attach_kernels(model, packed=packed, native=target.lm_head.native, bf16=self.bf16,

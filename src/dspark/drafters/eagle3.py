@@ -20,7 +20,7 @@ from .base import BatchFirstDrafter, DraftRequest, DrafterError, Proposal, regis
 from .dspark import _transformer, draw, slot_probs
 from .dspark_checkpoint import load_drafter_model
 from .dspark_context import DraftContext
-from .draft_kernels import default_bf16
+from .draft_kernels import bf16_is_fast
 from .eagle3_model import Eagle3Model
 from .frozen_target import inference_head
 
@@ -52,7 +52,7 @@ class Eagle3Drafter(BatchFirstDrafter):
         self.model, self.target = model.eval(), target
         self.needs_layers = tuple(model.arch.layer_ids)
         # the LM head in bf16 by the same rule as DSpark's (draft_kernels.py), so that comparisons stay fair
-        self.bf16 = default_bf16(target) if bf16 is None else bool(bf16)
+        self.bf16 = (target.lm_head.packed is not None and bf16_is_fast()) if bf16 is None else bool(bf16)
         self.draft_logits = inference_head(model, target, self.bf16)  # h [..., d] -> fp32 logits [..., Vd]
 
     @property

@@ -126,7 +126,7 @@ def inference_head(model: DraftVocabMixin, target, bf16: bool = False):
     `bf16`: a bf16 copy of those rows with bf16 activations (fp32 accumulation) at every row count: the head is
     bound by reading its weights, which takes half the time in bf16 (scripts/bf16_projection_cost.py)."""
     from ..models.layers import Projection
-    from .draft_kernels import Bf16WeightProjection, bf16_path, bf16_projection
+    from .draft_kernels import bf16_projection
 
     cap = target.config.final_logit_softcap
     if model.vocab_ids is None and not bf16:
@@ -137,10 +137,7 @@ def inference_head(model: DraftVocabMixin, target, bf16: bool = False):
         rows = model.frozen.draft_head  # [Vd, d], gathered once at load (training's head_dtype may differ)
         if rows.dtype != target.dtype:
             rows = target.lm_head.weight[model.vocab_ids.to(target.device)]
-    if bf16 and target.lm_head.native and bf16_path() == "native":
-        head, dtype = Bf16WeightProjection(rows, None, packed=target.lm_head.packed is not None,
-                                           native_rows=target.lm_head.native_rows), target.dtype
-    elif bf16:
+    if bf16:
         head, dtype = bf16_projection(rows), torch.bfloat16
     else:
         head = Projection(rows.contiguous(), packed=target.lm_head.packed is not None, native=target.lm_head.native)

@@ -104,45 +104,19 @@ def load_function(source: Path, symbol: str, cache_dir: str | None = None, extra
         return None
 
 
-def _load(symbol: str, cache_dir: str | None):
-    # contraction off: the source places every fused multiply-add itself (see its header)
-    fn = load_function(SOURCE, symbol, cache_dir, extra_flags=("-ffp-contract=off",))
-    if fn is not None:
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-                       ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-        fn.restype = None
-    return fn
-
-
 @functools.cache
 def kernel(cache_dir: str | None = None):
     """The loaded C function, or None where it cannot be used (see the module docstring). Cached per process."""
-    fn = _load("dspark_linear", cache_dir)
+    # contraction off: the source places every fused multiply-add itself (see its header)
+    fn = load_function(SOURCE, "dspark_linear", cache_dir, extra_flags=("-ffp-contract=off",))
     if fn is None:
         return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = None
     if not _self_check(fn):
         log.warning("the native projection kernel failed its self-check; using torch's kernels")
         return None
-    return fn
-
-
-@functools.cache
-def kernel_bf16w(cache_dir: str | None = None):
-    """The same product with bf16 weights (for drafters: half the weight bytes to stream), or None. Its
-    self-check: bitwise the fp32 kernel's result on the widened weights, which is what the source promises."""
-    fp32 = kernel(cache_dir)
-    fn = _load("dspark_linear_bf16w", cache_dir) if fp32 is not None else None
-    if fn is None:
-        return None
-    g = torch.Generator().manual_seed(1)
-    for m, n, k in ((1, 7, 13), (3, 9, 40), (4, 30, 19)):
-        x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g)
-        wide, y16, y32 = w.float(), torch.empty(m, n), torch.empty(m, n)
-        fn(x.data_ptr(), m, w.data_ptr(), b.data_ptr(), n, k, y16.data_ptr(), 1)
-        fp32(x.data_ptr(), m, wide.data_ptr(), b.data_ptr(), n, k, y32.data_ptr(), 1)
-        if not torch.equal(y16, y32):
-            log.warning("the native bf16-weight kernel failed its self-check; drafters keep fp32 weights")
-            return None
     return fn
 
 
@@ -152,11 +126,9 @@ def usable(weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] · weight [N, K]ᵀ (+ bias [N]) -> [M, N], fp32 on CPU; the caller checked `usable(weight)`.
-    A bf16 `weight` goes through `kernel_bf16w` (the caller checked it exists): fp32 x, fp32 sums, fp32 out."""
+    """x [M, K] · weight [N, K]ᵀ (+ bias [N]) -> [M, N], fp32 on CPU; the caller checked `usable(weight)`."""
     x = x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0])
-    fn = kernel_bf16w() if weight.dtype == torch.bfloat16 else kernel()
-    fn(x.data_ptr(), x.shape[0], weight.data_ptr(), None if bias is None else bias.data_ptr(),
-       weight.shape[0], weight.shape[1], y.data_ptr(), torch.get_num_threads())
+    kernel()(x.data_ptr(), x.shape[0], weight.data_ptr(), None if bias is None else bias.data_ptr(),
+             weight.shape[0], weight.shape[1], y.data_ptr(), torch.get_num_threads())
     return y

@@ -17,8 +17,6 @@
 #include <stddef.h>
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  /* aligned(4): rows need not be 32-byte aligned */
-typedef unsigned short h8 __attribute__((vector_size(16), aligned(2)));  /* 8 bf16 values */
-typedef int i8 __attribute__((vector_size(32)));
 
 #define ROWS 16 /* W rows per block for a single x row */
 #define MT 2    /* x rows per tile */
@@ -32,51 +30,32 @@ static inline v8 madd(v8 acc, v8 a, v8 b) { return (v8)_mm256_fmadd_ps((__m256)a
 static inline v8 madd(v8 acc, v8 a, v8 b) { return acc + a * b; }
 #endif
 
-/* Weights are fp32, or bf16 (a drafter's: half the bytes to stream; widened exactly to fp32 in registers, so the
- * products and sums are the fp32 ones of the widened weights). BF is a compile-time constant in every caller. */
-static inline __attribute__((always_inline)) v8 wload(const void *w, long i, int BF) {
-  if (!BF) return *(const v8 *)((const float *)w + i);
-  const h8 h = *(const h8 *)((const unsigned short *)w + i);
-  return (v8)(__builtin_convertvector(h, i8) << 16);
-}
-
-static inline __attribute__((always_inline)) float wscalar(const void *w, long i, int BF) {
-  if (!BF) return ((const float *)w)[i];
-  union { unsigned u; float f; } v = {.u = (unsigned)((const unsigned short *)w)[i] << 16};
-  return v.f;
-}
-
-static inline __attribute__((always_inline)) const void *wrow(const void *w, long i, int BF) {
-  return BF ? (const void *)((const unsigned short *)w + i) : (const void *)((const float *)w + i);
-}
-
 static inline float hsum(v8 a) {
   return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
-static inline __attribute__((always_inline)) float finish(v8 acc, const float *x, const void *w, long k8, long K,
-                                                          const float *bias, int BF) {
+static inline float finish(v8 acc, const float *x, const float *w, long k8, long K, const float *bias) {
   float s = hsum(acc);
-  for (long k = k8; k < K; k++) s += wscalar(w, k, BF) * x[k];
+  for (long k = k8; k < K; k++) s += w[k] * x[k];
   return bias ? s + *bias : s;
 }
 
 /* One x row against nw ≤ ROWS rows of W. Inlined with a constant nw, the loops unroll into registers. */
-static inline __attribute__((always_inline)) void block(const float *x, const void *w, int nw, long K,
-                                                         const float *bias, float *y, int BF) {
+static inline __attribute__((always_inline)) void block(const float *x, const float *w, int nw, long K,
+                                                         const float *bias, float *y) {
   v8 acc[ROWS];
   for (int r = 0; r < ROWS; r++) acc[r] = (v8){0};
   const long k8 = K & ~7L;
   for (long k = 0; k < k8; k += 8) {
     const v8 xv = *(const v8 *)(x + k);
-    for (int r = 0; r < nw; r++) acc[r] = madd(acc[r], wload(w, r * K + k, BF), xv);
+    for (int r = 0; r < nw; r++) acc[r] = madd(acc[r], *(const v8 *)(w + r * K + k), xv);
   }
-  for (int r = 0; r < nw; r++) y[r] = finish(acc[r], x, wrow(w, r * K, BF), k8, K, bias ? bias + r : NULL, BF);
+  for (int r = 0; r < nw; r++) y[r] = finish(acc[r], x, w + r * K, k8, K, bias ? bias + r : NULL);
 }
 
 /* Rows x[0..MT) against W rows w[0..NT); y has row stride N. */
-static inline __attribute__((always_inline)) void tile(const float *x, const void *w, long K, const float *bias,
-                                                        float *y, long N, int BF) {
+static inline __attribute__((always_inline)) void tile(const float *x, const float *w, long K, const float *bias,
+                                                        float *y, long N) {
   v8 acc[MT][NT];
   for (int m = 0; m < MT; m++)
     for (int r = 0; r < NT; r++) acc[m][r] = (v8){0};
@@ -85,33 +64,31 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
     v8 xv[MT];
     for (int m = 0; m < MT; m++) xv[m] = *(const v8 *)(x + m * K + k);
     for (int r = 0; r < NT; r++) {
-      const v8 wv = wload(w, r * K + k, BF);
+      const v8 wv = *(const v8 *)(w + r * K + k);
       for (int m = 0; m < MT; m++) acc[m][r] = madd(acc[m][r], wv, xv[m]);
     }
   }
   for (int m = 0; m < MT; m++)
-    for (int r = 0; r < NT; r++)
-      y[m * N + r] = finish(acc[m][r], x + m * K, wrow(w, r * K, BF), k8, K, bias ? bias + r : NULL, BF);
+    for (int r = 0; r < NT; r++) y[m * N + r] = finish(acc[m][r], x + m * K, w + r * K, k8, K, bias ? bias + r : NULL);
 }
 
 /* x rows [m0, m1) against W rows [n, n1), one row at a time in blocks of at most ROWS. */
-static inline __attribute__((always_inline)) void rows_one_by_one(const float *x, long m0, long m1, const void *w,
-                                                                   const float *bias, long n, long n1, long N, long K,
-                                                                   float *y, int BF) {
+static void rows_one_by_one(const float *x, long m0, long m1, const float *w, const float *bias, long n, long n1,
+                            long N, long K, float *y) {
   for (long m = m0; m < m1; m++)
     for (long j = n; j < n1; j += ROWS) {
       const float *b = bias ? bias + j : NULL;
-      if (n1 - j >= ROWS) block(x + m * K, wrow(w, j * K, BF), ROWS, K, b, y + m * N + j, BF);
-      else block(x + m * K, wrow(w, j * K, BF), (int)(n1 - j), K, b, y + m * N + j, BF);
+      if (n1 - j >= ROWS) block(x + m * K, w + j * K, ROWS, K, b, y + m * N + j);
+      else block(x + m * K, w + j * K, (int)(n1 - j), K, b, y + m * N + j);
     }
 }
 
-static inline __attribute__((always_inline)) void linear(const float *x, long M, const void *w, const float *bias,
-                                                          long N, long K, float *y, int threads, int BF) {
+/* x [M, K], w [N, K], bias [N] or NULL, y [M, N]; all row-major and contiguous. */
+void dspark_linear(const float *x, long M, const float *w, const float *bias, long N, long K, float *y,
+                   int threads) {
   if (M == 1) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n += ROWS)
-      rows_one_by_one(x, 0, 1, w, bias, n, n + ROWS < N ? n + ROWS : N, N, K, y, BF);
+    for (long n = 0; n < N; n += ROWS) rows_one_by_one(x, 0, 1, w, bias, n, n + ROWS < N ? n + ROWS : N, N, K, y);
     return;
   }
   const long mt = M - M % MT; /* x rows covered by tiles; an odd last row goes alone */
@@ -120,21 +97,8 @@ static inline __attribute__((always_inline)) void linear(const float *x, long M,
     const long n1 = n + NB < N ? n + NB : N;
     const long j1 = n + (n1 - n) / NT * NT; /* W rows covered by tiles */
     for (long j = n; j < j1; j += NT)  /* each NT-row slice of W is reused by every x tile while cached */
-      for (long m = 0; m < mt; m += MT)
-        tile(x + m * K, wrow(w, j * K, BF), K, bias ? bias + j : NULL, y + m * N + j, N, BF);
-    rows_one_by_one(x, 0, mt, w, bias, j1, n1, N, K, y, BF);
-    rows_one_by_one(x, mt, M, w, bias, n, n1, N, K, y, BF);
+      for (long m = 0; m < mt; m += MT) tile(x + m * K, w + j * K, K, bias ? bias + j : NULL, y + m * N + j, N);
+    rows_one_by_one(x, 0, mt, w, bias, j1, n1, N, K, y);
+    rows_one_by_one(x, mt, M, w, bias, n, n1, N, K, y);
   }
-}
-
-/* x [M, K], w [N, K], bias [N] or NULL, y [M, N]; all row-major and contiguous. */
-void dspark_linear(const float *x, long M, const float *w, const float *bias, long N, long K, float *y,
-                   int threads) {
-  linear(x, M, w, bias, N, K, y, threads, 0);
-}
-
-/* The same with bf16 weights (raw 16-bit patterns) [N, K]. */
-void dspark_linear_bf16w(const float *x, long M, const unsigned short *w, const float *bias, long N, long K,
-                         float *y, int threads) {
-  linear(x, M, w, bias, N, K, y, threads, 1);
 }
