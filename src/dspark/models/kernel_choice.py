@@ -9,9 +9,9 @@ at 2, results/serving-s19-early-stop/profile.txt).
 
 The measurement times every projection of one forward (the model's own weights, so the weight traffic is the
 real one) through both kernels, interleaved in rounds so that drift hits them alike, and keeps the largest row
-count up to which ours is never slower. It takes a few seconds and is cached per CPU, kernel source, torch
-version and weight shapes; `DSPARK_NATIVE_ROWS=n` overrides it, and `dspark profile --force` measures it again
-(the speed profile records the limit it was measured with, profiling.profile_key).
+count up to which ours is never slower. It takes ≈ 15 s on the 2-core dev machine and is cached per CPU, kernel
+source, torch version, thread count and weight shapes; `DSPARK_NATIVE_ROWS=n` overrides it, and `dspark profile
+--force` measures it again (the speed profile records the limit it was measured with, profiling.profile_key).
 """
 from __future__ import annotations
 

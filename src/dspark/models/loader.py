@@ -179,5 +179,5 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32", device: str = 
     hf_dir = resolve(spec)
     config = load_hf_config(hf_dir)
     model = build_transformer(config, read_safetensors(hf_dir), _DTYPES[dtype], device=dev)
-    kernel_choice.tune(model)  # measured once per machine and cached: a few seconds on first use
+    kernel_choice.tune(model)  # measured once per machine and cached (≈ 15 s on first use)
     return LoadedModel(name=spec, model=model, tokenizer=load_tokenizer(hf_dir), hf_dir=hf_dir)
