@@ -44,7 +44,8 @@ def build_policy(name: str, drafter, model_id: str, dtype: str, model, gamma: in
     if base == "sync" or base.startswith("async"):
         from .profiling import load_or_profile, profile_key
         if has_conf:
-            kwargs["sps"] = load_or_profile(model, profile_key(model_id, dtype, drafter.profile_id, model), drafter=drafter)
+            key = profile_key(model_id, dtype, drafter.profile_id, model)
+            kwargs["sps"] = load_or_profile(model, key, drafter=drafter)
     elif base == "threshold":
         kwargs["threshold"] = threshold
     return make_policy(name, confidence_available=has_conf, **kwargs)

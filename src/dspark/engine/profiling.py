@@ -6,8 +6,6 @@ the steps the scheduler compares directly: R requests of k tokens each (k = 1: p
 """
 from __future__ import annotations
 
-import hashlib
-
 import logging
 from pathlib import Path
 
@@ -118,7 +116,7 @@ def profile_key(model_id: str, dtype: str, drafter_id: str = "none", model: Tran
     used = []
     if fp32 and native.kernel() is not None:
         rows = "" if model is None or not model.lm_head.native else f"<={model.lm_head.native_rows}"
-        used.append(f"native@{hashlib.sha256(native.SOURCE.read_bytes()).hexdigest()[:8]}{rows}")
+        used.append(f"native@{native.source_hash()[:8]}{rows}")
     if fp32 and native_attention.kernel() is not None:
         used.append("attention")
     kernels = "+".join(used) or "torch"

@@ -47,7 +47,7 @@ def is_tunable(model) -> bool:
 
 def _key(projs: list[Projection]) -> str:
     shapes = sorted({(tuple(p.weight.shape), p.bias is not None) for p in projs})
-    parts = [native._cpu_signature(), hashlib.sha256(native.SOURCE.read_bytes()).hexdigest(), torch.__version__, repr(shapes),
+    parts = [native._cpu_signature(), native.source_hash(), torch.__version__, repr(shapes),
              str(torch.get_num_threads())]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -92,9 +92,13 @@ def crossover(table: dict[int, list[float]]) -> int:
 def _write_atomic(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=1)
+        os.replace(tmp, path)  # readers see the old file or the new one, never a partial one
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _cached(path: Path) -> int | None:

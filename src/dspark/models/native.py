@@ -45,6 +45,12 @@ def _cpu_signature() -> str:
     return platform.machine() + platform.processor() + flags
 
 
+@functools.cache
+def source_hash() -> str:
+    """Which version of the projection kernel this is: its step prices and crossover are measured per version."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+
+
 def _build(cache_dir: Path, source_path: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> Path | None:
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
