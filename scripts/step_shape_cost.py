@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=DEFAULT, help="RxK pairs, comma-separated")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--max-rows", default=None,
-                    help="comma-separated limits on our C kernel's rows to compare (default: the shipped one)")
+                    help="comma-separated limits on our C kernel's rows to compare (default: the one measured here)")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     model = load_model(args.model).model
