@@ -1,6 +1,35 @@
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from helpers import BENCH_DATA
+
+# What the suite measures (kernel crossovers of tiny models, speed profiles) must never land in the user's cache,
+# where a later `dspark serve` would read it. Content-addressed build outputs (de-quantised GGUF weights, compiled
+# kernels: keyed by their inputs' hashes) are shared read-mostly through links, so a local run does not redo them.
+SHARED_CACHE_PARTS = ("models", "native")
+
+
+def pytest_configure(config):
+    if os.environ.get("DSPARK_TEST_CACHE_ISOLATED"):
+        return  # a subprocess of the suite, or a nested run: already isolated
+    user = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
+    root = Path(tempfile.mkdtemp(prefix="dspark-test-cache-"))
+    for part in SHARED_CACHE_PARTS:
+        (user / part).mkdir(parents=True, exist_ok=True)
+        (root / part).symlink_to(user / part, target_is_directory=True)
+    os.environ["DSPARK_CACHE"] = str(root)
+    os.environ["DSPARK_TEST_CACHE_ISOLATED"] = "1"
+    config._dspark_test_cache = root
+
+
+def pytest_unconfigure(config):
+    root = getattr(config, "_dspark_test_cache", None)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)  # removes the links, not what they point at
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 and that the speed profile is keyed by the limit it was measured with."""
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,3 +87,10 @@ def test_the_profile_key_names_the_kernel_version_and_the_limit(model):
     eight = profile_key("m", "float32", "d", model)
     assert "<=5" in five.kernels and "<=8" in eight.kernels and five != eight
     assert profile_key("m", "bfloat16", "d", model).kernels in ("torch", "attention")
+
+
+def test_the_suite_measures_into_its_own_cache_not_the_users():
+    from dspark.models.loader import cache_root
+
+    root = cache_root()
+    assert root.name.startswith("dspark-test-cache-") and root != Path.home() / ".cache" / "dspark"
