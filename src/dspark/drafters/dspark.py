@@ -124,19 +124,20 @@ class DSparkDrafter(BatchFirstDrafter):
         vocabulary; None when every request is greedy), confidence logits [R, γ]."""
         R, gamma, V = base.shape
         model, head = self.model, self.model.head
-        tokens = torch.empty(R, gamma, dtype=torch.long)
+        tokens = torch.empty(R, gamma + 1, dtype=torch.long)  # column 0: the anchor, the token before slot 1
+        tokens[:, 0] = prev
         probs = slot_probs(requests, gamma, V)
-        conf = torch.empty(R, gamma) if model.confidence is not None else None
         state = head.init_state((R,), h) if head is not None else None
         for k in range(gamma):
             logits = base[:, k]
             if head is not None:
                 state, bias = head.step(state, prev, h[:, k])
                 logits = logits + bias
-            if conf is not None:
-                conf[:, k] = model.confidence_logits(h[:, k], prev)
-            tokens[:, k] = prev = model.to_full(draw(logits, requests, probs, k))
-        return tokens, None if probs is None else model.scatter_probs(probs), conf
+            tokens[:, k + 1] = prev = model.to_full(draw(logits, requests, probs, k))
+        # Slot k's confidence reads h_k and the token drawn before it, both known once the block is drawn, and
+        # nothing sampled reads it: one product over the block instead of γ one-row ones (~0.8 ms at one request).
+        conf = model.confidence_logits(h, tokens[:, :gamma])  # [R, γ] or None
+        return tokens[:, 1:].contiguous(), None if probs is None else model.scatter_probs(probs), conf
 
     @staticmethod
     def _process(logits: torch.Tensor, requests) -> torch.Tensor:
