@@ -190,3 +190,32 @@ def test_a_shallow_proposal_is_the_first_slots_of_the_full_one(target, temperatu
         if temperature:
             torch.testing.assert_close(part.probs, full.probs[:, :depth])
     assert drafter.propose([observed_request(target, drafter, [1, 2], 6, params)], depth=99).tokens.shape[1] == 4
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_draft_states_equal_the_full_backbone_at_every_depth(target, layers):
+    """The inference path (one cached qkv row for the mask slots, the last layer only for the slots kept) against
+    the training path's `backbone` over the whole block, for a batch of requests with different contexts."""
+    from dspark.drafters.dspark import STATE_KEY
+    from dspark.drafters.dspark_context import DraftContext
+
+    drafter = tiny_drafter(target, head="markov", block=5, layers=layers)
+    params = SamplingParams(temperature=1.0)
+    reqs = [observed_request(target, drafter, p, a, params, seed=i)
+            for i, (p, a) in enumerate([([1, 2, 3, 4, 5], 6), ([9, 8, 7], 3), ([42] * 11, 17)])]
+    ctxs = [r.state[STATE_KEY] for r in reqs]
+    anchors = torch.tensor([c.length for c in ctxs])
+    anchor_ids = torch.tensor([r.tokens[-1] for r in reqs])
+    ctx_kv, visible = DraftContext.batch(ctxs, anchors)
+    block_ids = torch.full((3, 1, 5), drafter.model.arch.mask_token_id)
+    block_ids[:, 0, 0] = anchor_ids
+    full = drafter.model.backbone(block_ids, anchors[:, None], ctx_kv, visible)[:, 0]  # [R, γ, d]
+    for keep in range(1, 6):
+        part = drafter.model.draft_states(anchor_ids, anchors, ctx_kv, visible, keep=keep)
+        assert part.shape == (3, keep, full.shape[-1])
+        torch.testing.assert_close(part, full[:, :keep], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the cached mask row follows a change of the weights it was made from
+        drafter.model.layers[0].qkv.weight.mul_(1.5)
+    full = drafter.model.backbone(block_ids, anchors[:, None], ctx_kv, visible)[:, 0]
+    torch.testing.assert_close(drafter.model.draft_states(anchor_ids, anchors, ctx_kv, visible, keep=5), full,
+                               rtol=1e-5, atol=1e-5)

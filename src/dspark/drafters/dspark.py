@@ -106,14 +106,12 @@ class DSparkDrafter(BatchFirstDrafter):
             if c.length != len(r.tokens) - 1:
                 raise DrafterError(f"the request has {len(r.tokens) - 1} committed tokens but the drafter observed "
                                    f"{c.length}: call drafter.observe() after every target forward")
-        R, block = len(requests), self.model.arch.block_size
+        R = len(requests)
         anchors = torch.tensor([c.length for c in ctxs])  # [R] anchor positions
         anchor_ids = torch.tensor([r.tokens[-1] for r in requests])  # [R]
-        block_ids = torch.full((R, 1, block), self.model.arch.mask_token_id, dtype=torch.long)
-        block_ids[:, 0, 0] = anchor_ids
         ctx_kv, visible = DraftContext.batch(ctxs, anchors)  # per layer [R, T, kvH, hd]; [R, 1, T]
         g = self.slots(depth)  # the backbone still sees the whole block: slot k's state does not depend on g
-        h = self.model.backbone(block_ids, anchors[:, None], ctx_kv, visible)[:, 0, :g]  # [R, g, d]
+        h = self.model.draft_states(anchor_ids, anchors, ctx_kv, visible, keep=g)  # [R, g, d]
         tokens, probs, conf = self._sample_block(h, self.draft_logits(h), anchor_ids, requests)
         return DSparkProposal(tokens=tokens, num_tokens=torch.full((R,), g), probs=probs,
                               confidences=self._calibrate(conf), confidence_logits=conf)

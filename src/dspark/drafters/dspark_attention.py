@@ -12,8 +12,9 @@ import torch
 
 def block_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                     ctx_visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [G, A, γ, H, hd]; kb, vb: [G, A, γ, kvH, hd] (block keys); kc, vc: [G, T, kvH, hd] (context keys);
-    ctx_visible: [G, A, T] bool (context position t < the block's anchor) -> [G, A, γ, H, hd]."""
+    """q: [G, A, γq, H, hd], the queries of a block's first γq ≤ γ slots; kb, vb: [G, A, γ, kvH, hd] (block
+    keys); kc, vc: [G, T, kvH, hd] (context keys); ctx_visible: [G, A, T] bool (context position t < the block's
+    anchor) -> [G, A, γq, H, hd]."""
     G, A, S, H, hd = q.shape
     kv_heads = kb.shape[3]
     rep = H // kv_heads
@@ -24,6 +25,6 @@ def block_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: tor
     s_blk = torch.einsum("gaskrd,gajkd->gaskrj", qg, kb)  # [G, A, γ, kvH, rep, γ]
     # The block keys are always visible, so no row is fully masked (no NaN from the softmax).
     p = torch.cat([s_ctx, s_blk], dim=-1).softmax(dim=-1)
-    p_ctx, p_blk = p.split([kc.shape[1], S], dim=-1)
+    p_ctx, p_blk = p.split([kc.shape[1], kb.shape[2]], dim=-1)
     out = torch.einsum("gaskrt,gtkd->gaskrd", p_ctx, vc) + torch.einsum("gaskrj,gajkd->gaskrd", p_blk, vb)
     return out.reshape(G, A, S, H, hd)

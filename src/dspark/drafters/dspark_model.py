@@ -106,22 +106,34 @@ class DraftLayer(nn.Module):
             k = self.k_norm(k)
         return apply_rotary(k, *rope), v
 
-    def forward(self, x: torch.Tensor, rope, kc, vc, ctx_visible) -> torch.Tensor:
-        """x: [G, A, γ, d]; rope: cos/sin [G·A·γ, 1, hd]; kc, vc: [G, T, kvH, hd]; ctx_visible: [G, A, T]."""
+    def forward(self, x: torch.Tensor, rope, kc, vc, ctx_visible, keep: int | None = None,
+                mask_qkv: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [G, A, γ, d]; rope: cos/sin [G·A·γ, 1, hd]; kc, vc: [G, T, kvH, hd]; ctx_visible: [G, A, T]
+        -> [G, A, keep, d]: the first `keep` slots (default all γ); every slot's keys still take part.
+        `mask_qkv` [qkv] (inference, first layer only): the qkv projection of the normed mask-token embedding,
+        which every slot after the anchor holds, so only the anchor's row is projected here."""
         G, A, S, d = x.shape
-        h = self.attn_norm(x).reshape(-1, d)
-        q, k, v = linear(self, "qkv", h).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                                     self.kv_heads * self.head_dim], dim=-1)
-        q, k, v = (t.reshape(G * A * S, -1, self.head_dim) for t in (q, k, v))
+        keep = S if keep is None else keep
+        if mask_qkv is None:
+            qkv = linear(self, "qkv", self.attn_norm(x).reshape(-1, d)).view(G, A, S, -1)
+        else:  # pre-RoPE, a slot's projection depends only on its token: the mask slots' rows are one row
+            anchor = linear(self, "qkv", self.attn_norm(x[:, :, :1]).reshape(-1, d)).view(G, A, 1, -1)
+            qkv = torch.cat([anchor, mask_qkv.expand(G, A, S - 1, -1)], dim=2)
+        q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                             self.kv_heads * self.head_dim], dim=-1)
+        q = q[:, :, :keep].reshape(G * A * keep, -1, self.head_dim)
+        k, v = (t.reshape(G * A * S, -1, self.head_dim) for t in (k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        shape = (G, A, S, -1, self.head_dim)
-        out = block_attention(q.view(shape), k.view(shape), v.view(shape), kc, vc, ctx_visible, self.scale)
-        h = linear(self, "o", out.reshape(G, A, S, -1))
+        q_rope = rope if keep == S else tuple(t.view(G * A, S, *t.shape[1:])[:, :keep].reshape(-1, *t.shape[1:])
+                                              for t in rope)
+        q, k = apply_rotary(q, *q_rope), apply_rotary(k, *rope)
+        out = block_attention(q.view(G, A, keep, -1, self.head_dim), k.view(G, A, S, -1, self.head_dim),
+                              v.view(G, A, S, -1, self.head_dim), kc, vc, ctx_visible, self.scale)
+        h = linear(self, "o", out.reshape(G, A, keep, -1))
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
-        x = x + h
+        x = x[:, :, :keep] + h
         gate, up = linear(self, "gate_up", self.ffn_norm(x)).chunk(2, dim=-1)
         h = linear(self, "down", self.act(gate) * up)
         if self.post_ffn_norm is not None:
@@ -194,6 +206,40 @@ class DSparkModel(DraftVocabMixin, nn.Module):
         for layer, (kc, vc) in zip(self.layers, ctx_kv):
             x = layer(x, rope, kc, vc, ctx_visible)
         return self.final_norm(x)
+
+    def draft_states(self, anchor_ids: torch.Tensor, anchors: torch.Tensor, ctx_kv, ctx_visible,
+                     keep: int) -> torch.Tensor:
+        """Inference: `backbone` over blocks [anchor, mask, ..., mask] with only what the first `keep` slots
+        need. anchor_ids, anchors: [R]; ctx_kv: per layer (kc, vc) [R, T, kvH, hd]; ctx_visible: [R, 1, T]
+        -> h [R, keep, d]. Two things are not recomputed: the first layer's qkv of the mask slots (one cached
+        row: their input is the same embedding) and, in the last layer, the attention, output projection and
+        MLP of slots at or past `keep` (nothing after the last layer reads them). At one request and depth 1
+        that leaves one row, not γ, through o, gate_up and down. Up to float rounding where a product's row count
+        picks another kernel, this is `backbone(...)[:, 0, :keep]` (tests/drafters/test_dspark_drafter.py)."""
+        R, S = anchor_ids.shape[0], self.arch.block_size
+        block_ids = torch.full((R, 1, S), self.arch.mask_token_id, dtype=torch.long, device=anchor_ids.device)
+        block_ids[:, 0, 0] = anchor_ids
+        rope = self.rope((anchors[:, None] + torch.arange(S, device=anchors.device)).reshape(-1))
+        x = self.embed_block(block_ids)  # [R, 1, γ, d]
+        last = len(self.layers) - 1
+        for i, (layer, (kc, vc)) in enumerate(zip(self.layers, ctx_kv)):
+            x = layer(x, rope, kc, vc, ctx_visible, keep=keep if i == last else None,
+                      mask_qkv=self._mask_qkv() if i == 0 and S > 1 else None)
+        return self.final_norm(x)[:, 0]
+
+    def _mask_qkv(self) -> torch.Tensor:
+        """The first draft layer's qkv row for the mask token [qkv], cached while its inputs are unchanged."""
+        layer = self.layers[0]
+        inputs = [t for t in (self.frozen.embed, layer.attn_norm.weight, layer.qkv.weight, layer.qkv.bias)
+                  if t is not None]
+        key = tuple((t.data_ptr(), t._version, t.dtype) for t in inputs)
+        cached = self.__dict__.get("_mask_qkv_cache")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                x = self.embed_block(torch.tensor([self.arch.mask_token_id], device=self.frozen.embed.device))
+                cached = (key, linear(layer, "qkv", layer.attn_norm(x)).reshape(-1))
+            self.__dict__["_mask_qkv_cache"] = cached  # a plain attribute: not a parameter, buffer or state
+        return cached[1]
 
     def prev_embedding(self, prev: torch.Tensor) -> torch.Tensor | None:
         return self.head.prev_embedding(prev) if self.head is not None else None
