@@ -8,12 +8,15 @@
         --after-target-step --out results/drafter-bf16
     .venv/bin/python scripts/propose_cost.py --requests 1,2,4 --repeats 25 --depths 1,4,7 --ab-native-rows 3,16 \
         --after-target-step --out results/drafter-native-rows
+    .venv/bin/python scripts/propose_cost.py --requests 1,2,4,8 --repeats 30 --depths 1,2,3,7 --ab-backbone \
+        --after-target-step --out results/drafter-states
 
 Greedy batches carry no full-vocabulary distributions (point masses); `depth` is what a fixed-K policy asks for.
 `--ab-kernels` times each proposal with the drafter's inference kernels (drafters/draft_kernels.py) and with its
 reference nn.Linear products, in a shuffled order within one process; `--ab-bf16` likewise with the kernels in
 fp32 and with bf16 products (draft_kernels.py: bf16 LM head, bf16 projections from 3 rows up); `--ab-native-rows
-A,B` with our C kernel serving the drafter's fp32 projections and head up to A, then B rows (kernel_choice.py).
+A,B` with our C kernel serving the drafter's fp32 projections and head up to A, then B rows (kernel_choice.py);
+`--ab-backbone` the inference backbone (`DSparkModel.draft_states`) against the whole block through `backbone`.
 `--after-target-step` runs a one-token target forward before every proposal, as an engine step does, so the
 drafter's weights are no longer in cache (a proposal repeated back to back reads them warm and looks cheaper than
 it is in the engine).
@@ -64,6 +67,8 @@ def main() -> None:
     ap.add_argument("--ab-kernels", action="store_true", help="kernels on vs the reference products, interleaved")
     ap.add_argument("--ab-bf16", action="store_true", help="fp32 kernels vs bf16 products, interleaved")
     ap.add_argument("--ab-native-rows", default=None, help="comma-separated C-kernel row limits to compare")
+    ap.add_argument("--ab-backbone", action="store_true",
+                    help="draft_states (inference path) vs the whole block through the training backbone")
     ap.add_argument("--after-target-step", action="store_true", help="a one-token target forward before each")
     ap.add_argument("--out", type=Path, default=None, help="write propose_cost.json / .md here")
     args = ap.parse_args()
@@ -100,8 +105,11 @@ def main() -> None:
 
 def mode_setters(drafter, model, args) -> dict:
     """name -> a function putting the drafter in that mode; the first is the default (what `propose` runs)."""
-    if sum(map(bool, (args.ab_kernels, args.ab_bf16, args.ab_native_rows))) > 1:
-        raise SystemExit("--ab-kernels, --ab-bf16 and --ab-native-rows are separate comparisons: pick one")
+    if sum(map(bool, (args.ab_kernels, args.ab_bf16, args.ab_native_rows, args.ab_backbone))) > 1:
+        raise SystemExit("--ab-kernels, --ab-bf16, --ab-native-rows and --ab-backbone are separate comparisons: "
+                         "pick one")
+    if args.ab_backbone:
+        return _backbone_setters(drafter)
     if args.ab_native_rows:
         return {f"rows<={n}": _rows_setter(drafter, int(n)) for n in args.ab_native_rows.split(",")}
     if args.ab_bf16:
@@ -119,6 +127,24 @@ def mode_setters(drafter, model, args) -> dict:
     if args.ab_kernels or not attached:
         modes["reference"] = _setter(drafter, {m: None for m in attached}, drafter.draft_logits)
     return modes
+
+
+def _backbone_setters(drafter) -> dict:
+    """`draft_states` against the training path it replaced: every slot of the whole block through
+    `backbone`, then the first `keep` kept."""
+    model = drafter.model
+
+    def whole_block(anchor_ids, anchors, ctx_kv, visible, keep):
+        block_ids = torch.full((len(anchor_ids), 1, model.arch.block_size), model.arch.mask_token_id)
+        block_ids[:, 0, 0] = anchor_ids
+        return model.backbone(block_ids, anchors[:, None], ctx_kv, visible)[:, 0, :keep]
+
+    def fast() -> None:
+        model.__dict__.pop("draft_states", None)
+
+    def reference() -> None:
+        model.__dict__["draft_states"] = whole_block
+    return {"draft_states": fast, "whole block": reference}
 
 
 def _rows_setter(drafter, limit: int):
