@@ -107,6 +107,28 @@ def test_engine_output_distribution_at_batch_512(policy):
     assert p > 1e-3
 
 
+def test_engine_reports_verify_steps_to_a_live_priced_policy_but_not_prefill():
+    """What scheduling/live_profile.py corrects the profile with: (B, R) of each forward that had no prefill in it,
+    its time, and the proposal's requests, depth and time."""
+    base, seen = make_policy("fixed-2"), []
+    spy = type("Spy", (), {"prepare": lambda self, r: base.prepare(r), "draft_depth": lambda self, g: base.draft_depth(g),
+                           "select": lambda self, c=None, **kw: base.select(c, **kw),
+                           "observe_step": lambda self, *a: seen.append(a)})()
+    engine = Engine(tiny_target(), None, ConfidentDrafter(), spy, (), EngineConfig(gamma=GAMMA, max_running=2,
+                                                                                    prefill_chunk=2))
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for p in ([3, 4, 5], [6, 2])]
+    plans = []
+    while engine.has_unfinished():
+        engine.step()
+        plans.append(engine.last_plan)
+    reported = [p for p in plans if p.decoding and not p.prefilling]
+    assert len(seen) == len(reported) > 0 and any(p.prefilling and p.decoding for p in plans)
+    for (n_tokens, n_requests, forward_s, drafted, depth, draft_s), plan in zip(seen, reported):
+        assert (n_tokens, n_requests, drafted, depth) == (plan.verified_tokens, len(plan.decoding), n_requests, 2)
+        assert forward_s > 0 and draft_s > 0
+    assert all(len(r.output) == 6 for r in reqs)
+
+
 def test_bad_requests_are_refused_without_disturbing_others(smollm2):
     model = smollm2.model
     engine = Engine(model, smollm2.tokenizer, None, make_policy("none"), smollm2.eos_ids,

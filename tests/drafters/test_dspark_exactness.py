@@ -283,7 +283,8 @@ def test_t1_output_distribution_with_partial_probes():
 RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0.9, max_age=4),
          "near-threshold probe": dict(min_gain=0.5, near_loss=0.9, max_age=4),
          "early stop below K": dict(early_stop=1, min_gain=0.0, max_age=4),
-         "no extra slot": dict(lean_depth=1, min_gain=0.0, max_age=4)}
+         "no extra slot": dict(lean_depth=1, min_gain=0.0, max_age=4),
+         "live step prices": dict(live=1, min_gain=0.0, max_age=4)}
 
 
 def _verify_priced_profile(gamma: int):
@@ -324,6 +325,9 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
 
     def spy(n_requests):
         drafts = prepare(n_requests)
+        if policy.live is not None and policy.live.rebuilds and policy.last_capacity is not None:
+            if _capacity_priced_by(policy, policy.live.base, n_requests) != policy._memo[1]:
+                seen.add("live step prices")  # the measured times changed K
         if policy.last_capacity:
             probes[0] = 0
             if policy._memo[2] <= 1.0 + policy.min_gain:
@@ -343,9 +347,22 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
         return lengths
 
     policy.prepare, policy.select = spy, select_spy
+    if policy.live is not None:  # a machine on which verify steps run at half their cached price, every time
+        observe, base = policy.observe_step, policy.live.base
+        policy.observe_step = lambda b, r, _s, drafted, depth, _d: observe(
+            b, r, base.step_s(b, n_requests=r) * (0.5 if b > r else 1.0), drafted, depth,
+            base.draft_s(drafted, depth) if drafted else 0.0)
     engine = Engine(target, None, drafter, policy, (), EngineConfig(gamma=drafter.gamma, max_running=max_running,
                                                                     prefill_chunk=6))
     return engine, seen
+
+
+def _capacity_priced_by(policy, profile, n_requests: int) -> int:
+    """The K the policy's pool of old confidences gets when priced by `profile`."""
+    from dspark.scheduling.policies import capacity_from_survivals
+
+    _, pool = policy._old_confidences()
+    return capacity_from_survivals([a for _, a in pool], [c.shape for c, _ in pool], profile, n_requests)[0]
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))

@@ -70,6 +70,13 @@ def setup(cfg: ServeBenchConfig):
     return loaded, drafter, prompts, params, engines
 
 
+def live_factors(policy) -> dict[str, float]:
+    """A live-priced policy's correction factors after a cell (measured / cached price of plain, verify and
+    drafting steps; scheduling/live_profile.py), so a run shows how far the machine had drifted from its profile."""
+    live = getattr(policy, "live", None)
+    return {} if live is None else {f"live_{cls}": f for cls, f in live.factors().items()}
+
+
 def mixed(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Round-robin over the sets (gsm8k 1, math500 1, ..., gsm8k 2, ...). The clients take prompts in order and a
     low-concurrency cell gets through only ~8 of them, so in set order it would measure math alone: the domain
@@ -95,7 +102,7 @@ def run(cfg: ServeBenchConfig) -> dict:
     for rep in range(cfg.repeats):
         for c in cfg.concurrency:
             for name, cell in measure(engines, rotated(prompts, rep, cfg.repeats), c, params, cfg):
-                cell = {"policy": name, "repeat": rep, **cell}
+                cell = {"policy": name, "repeat": rep, **cell, **live_factors(engines[name].policy)}
                 runs.append(cell)
                 print(f"#{rep} {name:10s} C={c:3d}: {cell['throughput_tok_s']:7.1f} tok/s aggregate, "
                       f"{cell['per_user_tok_s']:6.1f} tok/s per user, budget {cell['mean_verify_budget']:.2f}, "

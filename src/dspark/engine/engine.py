@@ -132,6 +132,7 @@ class Engine:
             self.running = [r for r in self.running if not r.finished]
             return outputs
         forward_s = time.perf_counter() - t_forward
+        self._report_step(plan, forward_s)
         self._observed: list[tuple[Request, int, int]] = []
         outputs += self._commit_decoding(plan, out)
         outputs += self._commit_prefill(plan, out)
@@ -142,6 +143,15 @@ class Engine:
         verified = int(plan.lengths.sum()) if plan.decoding else 0
         self.stats.record_step(time.perf_counter() - t0, len(plan.decoding), verified, forward_s, drafter_s)
         return outputs
+
+    def _report_step(self, plan: StepPlan, forward_s: float) -> None:
+        """Tell a policy that prices steps live (AsyncPolicy with ``live``) what this one cost; a forward with
+        prefill in it is not a step the speed profile prices."""
+        observe = getattr(self.policy, "observe_step", None)
+        if observe is None or plan.prefilling or not plan.decoding:
+            return
+        observe(plan.verified_tokens, len(plan.decoding), forward_s, plan.drafted_requests, plan.draft_depth,
+                plan.draft_call_seconds)
 
     def _reap_aborted(self) -> list[RequestOutput]:
         outs = []

@@ -22,7 +22,10 @@ class StepPlan:
     draft_probs: torch.Tensor | None = None  # [R, g, V] or None (point masses)
     confidences: np.ndarray | None = None  # [R, g]
     confidence_logits: np.ndarray | None = None  # [R, g] raw head logits, before calibration (for `calibrate`)
-    propose_seconds: float = 0.0
+    propose_seconds: float = 0.0  # feeding deferred target states included
+    draft_call_seconds: float = 0.0  # the propose() call alone: what the profile's drafting tables price
+    drafted_requests: int = 0  # requests the drafter proposed for (fewer than `decoding` on a probe)
+    draft_depth: int = 0  # slots it drafted
     decode_logit_rows: list[slice] = field(default_factory=list)  # per decoding request, into the M logits
     decode_token_rows: list[list[int]] = field(default_factory=list)  # per decoding request, into N
     prefilling: list[Request] = field(default_factory=list)
@@ -38,10 +41,10 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
     R = len(decoding)
     drafts, lengths = torch.zeros(R, gamma, dtype=torch.long), torch.zeros(R, dtype=torch.long)
     if R == 0:  # nothing to draft for; stateful policies must not record an empty step
-        return decoding, drafts, lengths, None, None, None, 0.0
+        return decoding, drafts, lengths, None, None, None, 0.0, None
     if drafter is None or not policy.prepare(R):
         policy.select(None, n_requests=R, gamma=gamma)  # keeps stateful policies in step
-        return decoding, drafts, lengths, None, None, None, 0.0
+        return decoding, drafts, lengths, None, None, None, 0.0, None
     t0 = time.perf_counter()
     rows = _rows_to_draft(decoding, policy, backlog)
     subset = decoding if rows is None else [decoding[i] for i in rows]
@@ -51,14 +54,16 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
         subset = [r for r in subset if not r.finished]
         if not subset:  # nothing left to draft for: the others verify no drafts this step
             return decoding, drafts[:len(decoding)], lengths[:len(decoding)], None, None, None, \
-                time.perf_counter() - t0
+                time.perf_counter() - t0, None
         if rows is not None:
             position = {id(r): i for i, r in enumerate(decoding)}
             rows = [position[id(r)] for r in subset]
     # A policy that caps ℓ (fixed-K) says so, and the drafter drafts no more than that.
     depth = policy.draft_depth(gamma) if hasattr(policy, "draft_depth") else gamma
+    t_call = time.perf_counter()
     proposal = drafter.propose([r.draft for r in subset], depth=depth)
     seconds = time.perf_counter() - t0  # feeding included: it is the drafter's model work
+    call = (len(subset), depth, time.perf_counter() - t_call)  # (requests, slots, seconds) of the proposal alone
     tokens, num, probs, conf, raw = _widen(proposal, rows, len(decoding))
     extra = {} if rows is None else {"drafted": rows}
     chosen = torch.as_tensor(np.asarray(policy.select(conf, n_requests=len(decoding), gamma=gamma, **extra)),
@@ -67,7 +72,7 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
                          for r in decoding])  # tokens a round may add beyond the anchor
     lengths = torch.minimum(torch.minimum(chosen, num), room.clamp(min=0))
     raw = None if raw is None else raw[:, :gamma]
-    return decoding, tokens[:, :gamma], lengths, probs, conf, raw, seconds
+    return decoding, tokens[:, :gamma], lengths, probs, conf, raw, seconds, call
 
 
 def _rows_to_draft(decoding: list[Request], policy, backlog) -> list[int] | None:
@@ -115,12 +120,14 @@ def plan_step(running: list[Request], drafter, policy, config, max_position: int
     backlog(request) = its target states not yet fed to the drafter (what drafting it first would cost)."""
     decoding = [r for r in running if r.status is Status.DECODE]
     prefilling = [r for r in running if r.status is Status.PREFILL]
-    decoding, drafts, lengths, probs, conf, raw, seconds = _draft(decoding, drafter, policy, config.gamma,
-                                                                  max_position, before_draft, backlog)
+    decoding, drafts, lengths, probs, conf, raw, seconds, call = _draft(decoding, drafter, policy, config.gamma,
+                                                                        max_position, before_draft, backlog)
     pieces, segments, logit_rows = [], [], []
     plan = StepPlan(tokens=torch.empty(0), segments=segments, logit_rows=torch.empty(0), decoding=decoding,
                     drafts=drafts, lengths=lengths, draft_probs=probs, confidences=conf, confidence_logits=raw,
                     propose_seconds=seconds)
+    if call is not None:
+        plan.drafted_requests, plan.draft_depth, plan.draft_call_seconds = call
     n = 0
     for i, req in enumerate(decoding):
         block = [req.output[-1], *drafts[i, : int(lengths[i])].tolist()]  # anchor, then ℓ drafts

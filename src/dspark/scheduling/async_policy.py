@@ -7,6 +7,7 @@ from collections import deque
 import numpy as np
 
 from .acceptance_tracker import AcceptanceTracker
+from .live_profile import LiveProfile
 from .policies import (SPS, async_schedule, capacity_from_survivals, could_grow, draft_depth_for,
                        step_survivals, sync_prefix_schedule)
 from .policy_objects import need_confidences
@@ -82,6 +83,10 @@ class AsyncPolicy:
     accepted to predicted drafts on the verified slots so far (``acceptance_tracker.py``); the engine reports each
     verified step through ``observe_outcomes``. Not the default: on the dev CPU it lowered the verify budget where
     the offline calibration ran over-confident but bought no throughput (results/serving-dspark-more).
+
+    With ``live`` the profile's prices follow the step times the engine reports through ``observe_step``
+    (``live_profile.py``: plain, verify and drafting prices each corrected by the median measured / predicted
+    ratio of their recent steps), for a machine whose speed drifts after the profile was measured.
     """
 
     needs_confidence = True
@@ -92,7 +97,7 @@ class AsyncPolicy:
                  pool_requests: int = 8, pool_steps: int = 8, online_calibration: bool = False,
                  min_gain: float = 0.03, probe_requests: int = 2, stay_gain: float | None = 0.0,
                  reprobe_every: int | None = None, max_age: int | None = 16, near_loss: float = 0.05,
-                 early_stop: bool = False, lean_depth: bool = False):
+                 early_stop: bool = False, lean_depth: bool = False, live: bool = False):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -108,7 +113,7 @@ class AsyncPolicy:
         if min(pool_requests, pool_steps, probe_requests) < 1:
             raise ValueError(f"pool_requests, pool_steps and probe_requests must be >= 1, got {pool_requests}, "
                              f"{pool_steps}, {probe_requests}")
-        self.sps, self.lag = sps, lag
+        self._sps, self.lag = sps, lag
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.pool_requests, self.pool_steps = pool_requests, pool_steps
         self.min_gain, self.probe_requests = min_gain, probe_requests
@@ -125,9 +130,17 @@ class AsyncPolicy:
         if lean_depth not in (0, 1):
             raise ValueError(f"lean_depth must be a bool (0 or 1), got {lean_depth!r}")
         self.lean_depth = bool(lean_depth)
+        if live not in (0, 1):
+            raise ValueError(f"live must be a bool (0 or 1), got {live!r}")
+        self.live = LiveProfile(sps) if live else None  # kept across reset(): it describes the machine
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
         self.reset()
+
+    @property
+    def sps(self) -> SPS:
+        """The prices K is chosen by: the cached profile, or its live correction."""
+        return self._sps if self.live is None else self.live.current
 
     def reset(self) -> None:
         # (step, confidences, their sorted survivals) of the last drafted steps: enough to pool `pool_steps` of
@@ -170,7 +183,8 @@ class AsyncPolicy:
         if not c_old:
             self.last_capacity = None
         else:
-            key = (pool_steps, n_requests, None if self.tracker is None else self.tracker.ratio)
+            key = (pool_steps, n_requests, None if self.tracker is None else self.tracker.ratio,
+                   None if self.live is None else self.live.rebuilds)
             if key != self._memo[0]:  # while the drafter is skipped nothing changes: K is reused, not recomputed
                 shapes = [c.shape for c, _ in c_old]
                 if self.tracker is not None:  # scaled confidences: their survivals change too
@@ -232,6 +246,16 @@ class AsyncPolicy:
             return sync_prefix_schedule(c, self.sps, capacity=self.last_capacity,
                                         depth=self.draft_depth(c.shape[1]))
         return async_schedule(c, self.last_capacity)
+
+    def observe_step(self, n_tokens: int, n_requests: int, forward_s: float, drafted: int = 0, depth: int = 0,
+                     draft_s: float = 0.0) -> None:
+        """After a target forward with no prefill in it: ``n_requests`` requests verified ``n_tokens`` tokens in
+        ``forward_s``; the step's proposal (if ``drafted`` > 0 requests) drafted ``depth`` slots in ``draft_s``."""
+        if self.live is None:
+            return
+        self.live.observe_forward(n_tokens, n_requests, forward_s)
+        if drafted:
+            self.live.observe_draft(drafted, depth, draft_s)
 
     def observe_outcomes(self, c, lengths, accepted) -> None:
         """After verification: the step's unadjusted confidences [R, γ], verified lengths [R], accepted [R]."""

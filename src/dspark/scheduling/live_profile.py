@@ -1,0 +1,108 @@
+"""A speed profile whose prices follow the step times the engine measures while it serves.
+
+The profile (profile.py) is measured once and cached, but the machines this project runs on drift: on the dev VM
+a one-token step cost 35.9 ms in one stretch and 27.8 ms twenty minutes later, and not by the same factor for
+every step shape, so the async scheduler priced K from a curve that no longer held (README, session 21: with the
+stale profile it drafted 0.70 tokens per step at C = 1 where MTP-1's 0.99 paid 11 %). What the scheduler compares
+is a plain step against a verify step (and the drafting that the verify step needs), so a uniform slow-down
+changes nothing; what misleads it is one of them drifting against the others.
+
+``LiveProfile`` keeps three correction factors, measured over cached (base) prices:
+
+  * plain  — target forwards in which every request verifies only its anchor (B = R);
+  * verify — target forwards with at least one draft verified (B > R);
+  * draft  — the drafter's proposal (its ``propose`` call, feeding excluded), priced by the drafting tables.
+
+Each factor is the median of the last ``window`` measured / predicted ratios of its class (a median, because one
+step in a few hundred stalls for 2-5x on a shared VM), and stays 1 until ``min_samples`` of them are in. The
+scheduler reads ``current``: the base profile with its grid's k = 1 column scaled by the plain factor, the other
+columns by the verify factor (so a step of R requests verifying k in (1, 2) tokens each blends the two, as the
+grid already does between those columns), and the drafting tables by the draft factor. ``current`` is rebuilt
+only when a factor has moved by more than ``tolerance`` since it was last built, so the scheduler's memo of K
+(keyed on the profile object) survives the noise.
+
+Lossless: the factors come from the durations of steps already taken, never from the current step's tokens, so
+K and every decision made from it stay independent of the drafts they admit (DESIGN.md §1). They do make the
+decisions depend on wall-clock time, so with live prices a seeded sampled request is exact in distribution but
+need not repeat token for token from run to run (a fixed profile keeps that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import numpy as np
+
+from .profile import SpeedProfile
+
+CLASSES = ("plain", "verify", "draft")
+
+
+def rescaled(profile: SpeedProfile, plain: float = 1.0, verify: float = 1.0, draft: float = 1.0) -> SpeedProfile:
+    """``profile`` with target steps that verify no draft priced × ``plain``, the others × ``verify``, and drafting
+    × ``draft``. Without a grid, the B-table cannot tell the classes apart and all its steps take ``verify``."""
+    grid = tuple(tuple(s * (plain if k == 1 else verify) for k, s in zip(profile.grid_tokens, row))
+                 for row in profile.grid_seconds)
+    return dataclasses.replace(
+        profile,
+        seconds=tuple(s * verify for s in profile.seconds),
+        segment_seconds=profile.segment_seconds * verify,
+        grid_seconds=grid,
+        draft_seconds=tuple(s * draft for s in profile.draft_seconds),
+        shallow_draft_seconds=tuple(s * draft for s in profile.shallow_draft_seconds),
+        source=f"{profile.source} (live ×{plain:.3f} plain, ×{verify:.3f} verify, ×{draft:.3f} draft)",
+    )
+
+
+class LiveProfile:
+    """Correction factors over a cached profile, from the engine's measured steps; ``current`` is what to price
+    with. Feed it with ``observe_forward`` and ``observe_draft`` (the engine does, through the policy)."""
+
+    def __init__(self, base: SpeedProfile, window: int = 32, min_samples: int = 6, tolerance: float = 0.02):
+        if not isinstance(base, SpeedProfile):
+            raise TypeError(f"live prices need a measured SpeedProfile to correct, got {type(base).__name__}")
+        if window < 1 or not 1 <= min_samples <= window:
+            raise ValueError(f"need window >= 1 and 1 <= min_samples <= window, got {window}, {min_samples}")
+        if not 0.0 <= tolerance < 1.0:
+            raise ValueError(f"tolerance must lie in [0, 1), got {tolerance}")
+        self.base, self.window, self.min_samples, self.tolerance = base, window, min_samples, tolerance
+        self.reset()
+
+    def reset(self) -> None:
+        self._ratios = {c: deque(maxlen=self.window) for c in CLASSES}
+        self._built = {c: 1.0 for c in CLASSES}  # the factors `current` was built with
+        self.current = self.base
+        self.rebuilds = 0
+
+    def factor(self, cls: str) -> float:
+        """The measured / predicted median of the class (1.0 until ``min_samples`` steps of it were seen)."""
+        ratios = self._ratios[cls]
+        return float(np.median(ratios)) if len(ratios) >= self.min_samples else 1.0
+
+    def factors(self) -> dict[str, float]:
+        return {c: self.factor(c) for c in CLASSES}
+
+    def observe_forward(self, n_tokens: int, n_requests: int, seconds: float) -> None:
+        """A target forward of ``n_requests`` requests verifying ``n_tokens`` tokens in all (anchors included)
+        that took ``seconds``; forwards with prefill in them are not what the profile prices: leave them out."""
+        if n_requests < 1 or n_tokens < n_requests:
+            raise ValueError(f"a verify step has n_tokens >= n_requests >= 1, got {n_tokens}, {n_requests}")
+        predicted = float(self.base.step_s(n_tokens, n_requests=n_requests))
+        self._add("plain" if n_tokens == n_requests else "verify", seconds, predicted)
+
+    def observe_draft(self, n_requests: int, depth: int, seconds: float) -> None:
+        """One proposal of ``depth`` slots for ``n_requests`` requests that took ``seconds``."""
+        if not self.base.draft_requests:
+            return  # drafting is not priced: nothing to correct
+        self._add("draft", seconds, float(self.base.draft_s(n_requests, depth)))
+
+    def _add(self, cls: str, seconds: float, predicted: float) -> None:
+        if not (np.isfinite(seconds) and seconds > 0) or predicted <= 0:
+            return  # a clock that did not move (or a broken one) says nothing about the price
+        self._ratios[cls].append(seconds / predicted)
+        now = self.factors()
+        if any(abs(now[c] / self._built[c] - 1.0) > self.tolerance for c in CLASSES):
+            self._built = now
+            self.current = rescaled(self.base, **now)
+            self.rebuilds += 1
