@@ -192,7 +192,7 @@ def run(args) -> None:
     if args.profile:
         profile_engine(loops[args.profile], args.seconds)
         return
-    profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id), drafter=drafter)
+    profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id, loaded.model), drafter=drafter)
     step_times(loops, args.seconds, profile)
 
 

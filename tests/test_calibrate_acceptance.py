@@ -194,6 +194,9 @@ def test_repeated_cells_give_medians_and_paired_ratios_hand_worked():
     (row,) = paired_ratios(runs)
     assert row["vs_best_fixed"] == pytest.approx([11 / 12, 21 / 20, 1.0])
     assert row["vs_none"] == pytest.approx([1.1, 1.05, 1.0])
+    variant = [dict(r, policy="async:live=1", throughput_tok_s=t) for r, t in zip(runs[2::3], (22.0, 21.0, 12.0))]
+    (row,) = paired_ratios(runs + variant, "async:live=1")
+    assert row["vs_async"] == pytest.approx([2.0, 1.0, 0.8]) and row["vs_none"] == pytest.approx([2.2, 1.05, 0.8])
 
 
 @pytest.mark.parametrize("sequential", [False, True])
@@ -204,15 +207,19 @@ def test_bench_serve_interleaves_repeats(tiny, tmp_path, monkeypatch, sequential
     root, loaded, paths, prompts = tiny
     monkeypatch.setattr(serving, "load_bench_prompts", lambda sets, n: [("x", f"count to {i}") for i in range(4)])
     cfg = serving.ServeBenchConfig(model=str(root / "target"), drafter=str(paths["dspark"]), gamma=4,
-                                   policies=("none", "fixed-4", "async"), concurrency=(1, 2), max_new_tokens=8,
+                                   policies=("none", "fixed-4", "async", "async:live=1"), concurrency=(1, 2),
+                                   max_new_tokens=8,
                                    seconds_per_cell=0.2, repeats=2, out=tmp_path / "out", sequential=sequential)
     data = serving.run(cfg)
     order = [(r["repeat"], r["concurrency"], r["policy"]) for r in data["runs"]]
     assert order == [(rep, c, p) for rep in (0, 1) for c in (1, 2) for p in cfg.policies]
-    assert len(data["cells"]) == 6 and all(c["repeats"] == 2 for c in data["cells"])
+    assert len(data["cells"]) == 8 and all(c["repeats"] == 2 for c in data["cells"])
     assert all(r["seconds"] >= 0.2 and r["steps"] > 0 for r in data["runs"])
     assert [len(r["vs_best_fixed"]) for r in data["async_paired_ratios"]] == [2, 2]
-    assert "async / best fixed" in (tmp_path / "out" / "serving.md").read_text()
+    md = (tmp_path / "out" / "serving.md").read_text()
+    assert "async / best fixed" in md and "async:live=1 / async" in md and "Live prices" in md
+    live = [c for c in data["cells"] if c["policy"] == "async:live=1"]
+    assert all(c["live_plain"] > 0 and c["live_verify"] > 0 and c["live_draft"] > 0 for c in live)
     with pytest.raises(ValueError, match="repeats >= 1"):
         serving.ServeBenchConfig(repeats=0)
 

@@ -106,7 +106,8 @@ def run(cfg: ServeBenchConfig) -> dict:
                 runs.append(cell)
                 print(f"#{rep} {name:10s} C={c:3d}: {cell['throughput_tok_s']:7.1f} tok/s aggregate, "
                       f"{cell['per_user_tok_s']:6.1f} tok/s per user, budget {cell['mean_verify_budget']:.2f}, "
-                      f"tau {cell['tau']:.2f}", flush=True)
+                      f"tau {cell['tau']:.2f}" + "".join(f", {k} ×{v:.2f}" for k, v in cell.items()
+                                                         if k.startswith("live_")), flush=True)
     cells = median_cells(runs)
     if cfg.traces is not None:
         simulated(cfg, loaded, drafter, cells, prompt_tokens=round(sum(map(len, prompts)) / len(prompts)))
@@ -141,11 +142,19 @@ def run(cfg: ServeBenchConfig) -> dict:
         rows = [[r["concurrency"], _span(r["vs_best_fixed"]), _span(r["vs_none"])] for r in paired]
         for ratios in variants.values():  # same concurrency levels in the same order
             for row, o in zip(rows, ratios):
-                row.append(_span(o["vs_best_fixed"]))
+                row += [_span(o["vs_best_fixed"]), _span(o["vs_async"])]
         md += (f"\nAsync scheduler's throughput over the best of the fixed policies run (none, mtp1, fixed-K) and over "
                f"none, paired within each of {cfg.repeats} repeat(s): median [min, max]\n\n"
                + markdown_table(["C", "async / best fixed", "async / none"]
-                                + [f"{v} / best fixed" for v in variants], rows)
+                                + [f"{v} / {ref}" for v in variants for ref in ("best fixed", "async")], rows)
+               + "\n")
+    live = [c for c in cells if any(k.startswith("live_") for k in c)]
+    if live:
+        md += ("\nLive prices at the end of each cell (median over repeats): measured / cached price of plain steps, "
+               "verify steps and proposals (scheduling/live_profile.py)\n\n"
+               + markdown_table(["policy", "C", "plain", "verify", "draft"],
+                                [[c["policy"], c["concurrency"], *(f"{c[f'live_{k}']:.3f}" for k in
+                                                                   ("plain", "verify", "draft"))] for c in live])
                + "\n")
     if matched:
         others = [p for p in dict.fromkeys(c["policy"] for c in cells) if p != "mtp1"]
@@ -240,7 +249,12 @@ def paired_ratios(runs: list[dict], policy: str = "async") -> list[dict]:
                 best.append(mine / max(fixed))
             if ("none", c, rep) in by:
                 none.append(mine / by[("none", c, rep)])
-        rows.append({"concurrency": c, "vs_best_fixed": best, "vs_none": none})
+        row = {"concurrency": c, "vs_best_fixed": best, "vs_none": none}
+        if policy != "async":  # a variant: also against the default scheduler it modifies
+            row["vs_async"] = [by[(policy, c, rep)] / by[("async", c, rep)]
+                               for rep in sorted({k[2] for k in by if k[0] == policy and k[1] == c})
+                               if ("async", c, rep) in by]
+        rows.append(row)
     return rows
 
 

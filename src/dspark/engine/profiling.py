@@ -108,14 +108,16 @@ def drafter_step_fn(model: Transformer, drafter, depth: int | None = None):
     return step
 
 
-def profile_key(model_id: str, dtype: str, drafter_id: str = "none", model: Transformer | None = None) -> ProfileKey:
+def profile_key(model_id: str, dtype: str, drafter_id: str, model: Transformer) -> ProfileKey:
     """The native kernels change the price of a step (projections of a few rows; attention of short segments, the
     per-request cost), so a profile measured without one of them, with another version of the projection kernel,
-    or with another row limit for it (kernel_choice; read from `model`) is stale and re-measured."""
+    or with another row limit for it (kernel_choice; read from `model`, which is therefore required: a key built
+    without it never matched the cached one and every such caller re-measured and overwrote the profile) is stale
+    and re-measured."""
     fp32 = dtype == "float32"
     used = []
     if fp32 and native.kernel() is not None:
-        rows = "" if model is None or not model.lm_head.native else f"<={model.lm_head.native_rows}"
+        rows = "" if not model.lm_head.native else f"<={model.lm_head.native_rows}"
         used.append(f"native@{native.source_hash()[:8]}{rows}")
     if fp32 and native_attention.kernel() is not None:
         used.append("attention")
