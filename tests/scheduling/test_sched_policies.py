@@ -205,6 +205,18 @@ def test_async_schedule_top_k_hand_worked():
     assert async_schedule(c_now, 0).tolist() == [0, 0]
 
 
+def test_async_schedule_of_one_request_equals_the_visit_order():
+    """The one-request shortcut (its first K slots) against the general path, zeros and ties included."""
+    from dspark.scheduling.policies import _lengths, _visit_order
+
+    rng = np.random.default_rng(3)
+    rows = [rng.random((1, 5)), np.zeros((1, 4)), np.ones((1, 3)), np.array([[0.5, 1.0, 0.0, 1.0]])]
+    for c in rows:
+        for k in range(c.shape[1] + 3):
+            order = _visit_order(np.cumprod(c, axis=1))
+            assert async_schedule(c, k).tolist() == _lengths(order, min(k, order.size), 1).tolist()
+
+
 def test_flat_profile_verifies_everything_and_steep_profile_nothing():
     c = np.full((4, 7), 0.8)
     assert sync_prefix_schedule(c, lambda b: 1.0).tolist() == [7] * 4
@@ -567,9 +579,11 @@ def test_build_policy_prices_a_policy_spec_by_its_base_name():
 
     drafter = SimpleNamespace(has_confidence=True, profile_id="d")
     sps = SpeedProfile((1, 8), (0.01, 0.02))
-    with mock.patch("dspark.engine.profiling.load_or_profile", return_value=sps):
+    with mock.patch("dspark.engine.profiling.load_or_profile", return_value=sps), \
+            mock.patch("dspark.engine.profiling.profile_key", return_value=None):
         pol = llm.build_policy("sync:unsafe=0", drafter, "m", "float32", None, 7)
-    assert pol.sps is sps
+        live = llm.build_policy("async:live=1", drafter, "m", "float32", None, 7)
+    assert pol.sps is sps and live.live.base is sps and live.sps is sps
     assert llm.build_policy("threshold:cumulative=1", drafter, "m", "float32", None, 7).threshold == 0.5
 
 

@@ -8,8 +8,8 @@ import numpy as np
 
 from .acceptance_tracker import AcceptanceTracker
 from .live_profile import LiveProfile
-from .policies import (SPS, async_schedule, capacity_from_survivals, could_grow, draft_depth_for,
-                       step_survivals, sync_prefix_schedule)
+from .policies import (SPS, capacity_from_survivals, could_grow, draft_depth_for, step_survivals,
+                       sync_prefix_schedule, top_k_lengths)
 from .policy_objects import need_confidences
 
 
@@ -245,7 +245,7 @@ class AsyncPolicy:
         if self.early_stop:
             return sync_prefix_schedule(c, self.sps, capacity=self.last_capacity,
                                         depth=self.draft_depth(c.shape[1]))
-        return async_schedule(c, self.last_capacity)
+        return top_k_lengths(c, self.last_capacity)
 
     def observe_step(self, n_tokens: int, n_requests: int, forward_s: float, drafted: int = 0, depth: int = 0,
                      draft_s: float = 0.0) -> None:

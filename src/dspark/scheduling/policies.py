@@ -36,7 +36,7 @@ def as_confidences(c) -> np.ndarray:
     c = np.asarray(c, dtype=np.float64)
     if c.ndim != 2:
         raise ValueError(f"confidences must have shape [R, gamma], got shape {c.shape}")
-    if c.size and not (np.all(c >= 0.0) and np.all(c <= 1.0)):  # also rejects NaN
+    if c.size and not (c.min() >= 0.0 and c.max() <= 1.0):  # also rejects NaN (its comparisons are False)
         raise ValueError("confidences must lie in [0, 1] (calibrated probabilities); got values outside or NaN")
     return c
 
@@ -172,13 +172,20 @@ def _gains(survivals: list[np.ndarray], shapes: list[tuple[int, int]], base: int
         return np.zeros(1)
     n_cand = base * max(g for _, g in shapes)  # steps drafted shallower say nothing of deeper slots: flat
     total = np.zeros(n_cand + 1)
+    # Steps of R_old = R rows need no quantile scaling, and a cumulative sum is linear: add their survivals
+    # (a shallower step's missing slots add nothing, which is its flat curve) and sum once. At R = 1 every pooled
+    # step is such a step, and one cumsum per step was most of the scheduler's time per drafted step.
+    same = np.zeros(n_cand)
     for a, (rows, _) in zip(survivals, shapes):
         if rows == 0:
             continue
+        if rows == base:
+            same[:a.size] += a
+            continue
         cum = np.concatenate(([0.0], np.cumsum(a)))
         f = rows / base
-        total += rows * (cum if f == 1 and cum.size == n_cand + 1
-                         else np.interp(f * np.arange(n_cand + 1), np.arange(cum.size), cum) / f)
+        total += rows * np.interp(f * np.arange(n_cand + 1), np.arange(cum.size), cum) / f
+    total[1:] += base * np.cumsum(same)
     return total / pooled
 
 
@@ -280,12 +287,19 @@ def async_schedule(c_now, capacity: int) -> np.ndarray:
     Lossless: slot j of request r is admitted iff fewer than K items precede it in visit order; those are other
     requests' slots and this request's slots < j, so c[r, j+1:] plays no part.
     """
-    c_now = as_confidences(c_now)
+    return top_k_lengths(as_confidences(c_now), capacity)
+
+
+def top_k_lengths(c_now: np.ndarray, capacity: int) -> np.ndarray:
+    """``async_schedule`` on confidences already validated by ``as_confidences`` (the async policy's select has
+    done so: validating twice was a fifth of its time per step)."""
     n_req = c_now.shape[0]
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
     if c_now.size == 0:
         return np.zeros(n_req, dtype=np.int64)
+    if n_req == 1:  # one request's best K slots are its first K (survival never rises along a row)
+        return np.array([min(int(capacity), c_now.shape[1])], dtype=np.int64)
     order = _visit_order(np.cumprod(c_now, axis=1))
     return _lengths(order, min(int(capacity), order.size), n_req)
 
