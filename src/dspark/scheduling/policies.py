@@ -119,8 +119,11 @@ def sync_prefix_schedule(c, sps: SPS, *, unsafe: bool = False, capacity: int | N
         return np.zeros(n_req, dtype=np.int64)
     a = np.cumprod(c, axis=1)
     order = _visit_order(a)
-    depths = None if depth is None else np.full(order.size + 1, int(depth))
-    theta = _theta(a.T.ravel()[order], n_req, sps, depths)
+    if isinstance(sps, SpeedProfile):  # immutable: its prices for (R, N, depth) are computed once
+        theta = _tau(a.T.ravel()[order], n_req) * _prefix_prices(sps, n_req, order.size, depth)
+    else:
+        depths = None if depth is None else np.full(order.size + 1, int(depth))
+        theta = _theta(a.T.ravel()[order], n_req, sps, depths)
     if unsafe:
         n_admitted = int(np.argmax(theta))  # first maximum: the shortest best prefix
     else:
@@ -279,6 +282,17 @@ def _profile_prices(sps: SpeedProfile, base: int, n_cand: int) -> tuple[np.ndarr
     prices = sps_values(sps, base + np.arange(n_cand + 1), base, 1 + np.arange(n_cand + 1))
     prices.flags.writeable = False  # shared between calls
     return prices, float(sps.step_s(base, n_requests=base))
+
+
+@functools.lru_cache(maxsize=512)
+def _prefix_prices(sps: SpeedProfile, base: int, n_items: int, depth: int | None) -> np.ndarray:
+    """SPS of a step of ``base`` requests verifying 0..n_items drafts, drafting ``depth`` slots (None: the block)
+    -> [n_items + 1]: Algorithm 1's prices, the same for every step of that shape (pricing them from the grid was
+    most of a probe's ~0.4 ms in the engine)."""
+    depths = None if depth is None else np.full(n_items + 1, int(depth))
+    prices = sps_values(sps, base + np.arange(n_items + 1), base, depths)
+    prices.flags.writeable = False  # shared between calls
+    return prices
 
 
 def async_schedule(c_now, capacity: int) -> np.ndarray:
