@@ -35,7 +35,8 @@ def test_factors_wait_for_enough_samples_and_ignore_a_stall():
         live.observe_forward(1, 1, 0.8 * plain)
     assert live.factor("plain") == 1.0 and live.current is GRID  # three samples are not enough
     live.observe_forward(1, 1, 0.8 * plain)
-    assert live.factor("plain") == pytest.approx(0.8) and live.factor("verify") == 1.0
+    # No verify step seen yet: no news of the two drifting apart, so verify steps follow the plain ones
+    assert live.factors() == pytest.approx({"plain": 0.8, "verify": 0.8, "draft": 1.0})
     assert live.current.step_s(1, n_requests=1) == pytest.approx(0.8 * plain)
     live.observe_forward(1, 1, 5.0 * plain)  # one step stalled on a shared machine
     assert live.factor("plain") == pytest.approx(0.8)
@@ -45,6 +46,24 @@ def test_factors_wait_for_enough_samples_and_ignore_a_stall():
         live.observe_draft(1, 1, 1.5 * GRID.draft_s(1, 1))
     assert live.factors() == pytest.approx({"plain": 0.8, "verify": 0.5, "draft": 1.5})
     assert live.current.draft_s(2, 3) == pytest.approx(1.5 * GRID.draft_s(2, 3))
+
+
+def test_old_samples_age_out_and_a_class_without_young_ones_follows_the_other():
+    live = LiveProfile(GRID, window=8, min_samples=2, max_age=10)
+    plain, verify = GRID.step_s(2, n_requests=2), GRID.step_s(4, n_requests=2)
+    for _ in range(2):  # a slow start: the warm-up's plain steps
+        live.observe_forward(2, 2, 1.3 * plain)
+    for _ in range(8):  # then only verify steps (a scheduler that drafts every step)
+        live.observe_forward(4, 2, 0.9 * verify)
+    assert live.factors()["plain"] == pytest.approx(1.3)  # 9 reports ago: still young
+    live.observe_forward(4, 2, 0.9 * verify)
+    assert live.factors() == pytest.approx({"plain": 0.9, "verify": 0.9, "draft": 1.0})  # aged out: follows verify
+    for _ in range(2):
+        live.observe_forward(2, 2, 1.1 * plain)
+    assert live.factors()["plain"] == pytest.approx(1.1)
+    for _ in range(10):
+        live.observe_draft(2, 3, 0.7 * GRID.draft_s(2, 3))  # drafting reports age the target's samples too
+    assert live.factors() == pytest.approx({"plain": 1.0, "verify": 1.0, "draft": 0.7})  # no young target news
 
 
 def test_current_is_rebuilt_only_when_a_factor_moves_past_the_tolerance():
@@ -60,6 +79,7 @@ def test_current_is_rebuilt_only_when_a_factor_moves_past_the_tolerance():
     assert live.current is not first and live.rebuilds == 2
     live.observe_forward(4, 4, 0.0)  # a clock that did not move says nothing
     assert live.factor("plain") == pytest.approx(np.median([1.2, 1.22, 1.5, 1.5]))
+    assert live.factor("verify") == live.factor("plain")  # no verify step seen: it follows the plain ones
 
 
 def test_bad_arguments_are_refused():
@@ -67,6 +87,8 @@ def test_bad_arguments_are_refused():
         LiveProfile(GRID).observe_forward(1, 2, 0.1)
     with pytest.raises(ValueError, match="min_samples"):
         LiveProfile(GRID, window=4, min_samples=5)
+    with pytest.raises(ValueError, match="max_age"):
+        LiveProfile(GRID, min_samples=6, max_age=5)
     with pytest.raises(TypeError, match="measured SpeedProfile"):
         make_policy("async:live=1", sps=lambda b: 1.0)
     with pytest.raises(ValueError, match="live must be a bool"):
@@ -77,7 +99,10 @@ def test_bad_arguments_are_refused():
 
 
 def _k_after(policy, timing, steps, c):
-    """K after `steps` drafted steps of confidences `c`, each step's times reported as `timing` gives them."""
+    """K after `steps` drafted steps of confidences `c`, each step's times reported as `timing` gives them (after
+    a few plain steps, so that the plain price is measured too)."""
+    for _ in range(6):
+        policy.observe_step(c.shape[0], c.shape[0], timing.step(c.shape[0], c.shape[0]))
     for _ in range(steps):
         policy.prepare(c.shape[0])
         lengths = policy.select(c)

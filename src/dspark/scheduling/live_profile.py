@@ -60,21 +60,33 @@ def rescaled(profile: SpeedProfile, plain: float = 1.0, verify: float = 1.0, dra
 
 class LiveProfile:
     """Correction factors over a cached profile, from the engine's measured steps; ``current`` is what to price
-    with. Feed it with ``observe_forward`` and ``observe_draft`` (the engine does, through the policy)."""
+    with. Feed it with ``observe_forward`` and ``observe_draft`` (the engine does, through the policy).
 
-    def __init__(self, base: SpeedProfile, window: int = 32, min_samples: int = 6, tolerance: float = 0.02):
+    A class's samples count only while they are younger than ``max_age`` reports: a scheduler that drafts every
+    step takes no plain step for minutes, and its plain factor would hold whatever the first few plain steps said
+    (in session 22 it held 1.27 for a whole run — they came from the warm-up — and made every verify step look
+    27 % cheaper against plain decoding than it was). A target class without enough young samples takes the other
+    target class's factor (no news of the two drifting apart: keep the profile's ratio between them); with neither,
+    and for drafting, 1.0, the cached price."""
+
+    def __init__(self, base: SpeedProfile, window: int = 32, min_samples: int = 6, tolerance: float = 0.02,
+                 max_age: int = 256):
         if not isinstance(base, SpeedProfile):
             raise TypeError(f"live prices need a measured SpeedProfile to correct, got {type(base).__name__}")
         if window < 1 or not 1 <= min_samples <= window:
             raise ValueError(f"need window >= 1 and 1 <= min_samples <= window, got {window}, {min_samples}")
         if not 0.0 <= tolerance < 1.0:
             raise ValueError(f"tolerance must lie in [0, 1), got {tolerance}")
+        if max_age < min_samples:
+            raise ValueError(f"max_age must be >= min_samples = {min_samples}, got {max_age}")
         self.base, self.window, self.min_samples, self.tolerance = base, window, min_samples, tolerance
+        self.max_age = max_age
         self.reset()
 
     def reset(self) -> None:
-        self._ratios = {c: deque(maxlen=self.window) for c in CLASSES}
-        self._factors = {c: 1.0 for c in CLASSES}  # each class's median now
+        self._ratios = {c: deque(maxlen=self.window) for c in CLASSES}  # (report number, measured / cached)
+        self._reports = 0
+        self._factors = {c: 1.0 for c in CLASSES}
         self._built = dict(self._factors)  # the factors `current` was built with
         # Cached prices, by (B, R) and (R, depth): the engine meets few shapes, and pricing one from the grid costs
         # ~45 us, which every step paid twice (observing cost ~0.2 ms a step, 1.8 % of a one-request step).
@@ -84,7 +96,7 @@ class LiveProfile:
         self.rebuilds = 0
 
     def factor(self, cls: str) -> float:
-        """The measured / predicted median of the class (1.0 until ``min_samples`` steps of it were seen)."""
+        """The class's correction now: the median measured / cached ratio of its young samples (see the class)."""
         return self._factors[cls]
 
     def factors(self) -> dict[str, float]:
@@ -109,17 +121,22 @@ class LiveProfile:
             predicted = self._draft_price[n_requests, depth] = float(self.base.draft_s(n_requests, depth))
         self._add("draft", seconds, predicted)
 
+    def _young_median(self, cls: str) -> float | None:
+        oldest = self._reports - self.max_age
+        young = sorted(r for n, r in self._ratios[cls] if n > oldest)  # <= window floats: cheaper than numpy
+        if len(young) < self.min_samples:
+            return None
+        mid = len(young) // 2
+        return young[mid] if len(young) % 2 else 0.5 * (young[mid - 1] + young[mid])
+
     def _add(self, cls: str, seconds: float, predicted: float) -> None:
         if not (math.isfinite(seconds) and seconds > 0) or predicted <= 0:
             return  # a clock that did not move (or a broken one) says nothing about the price
-        ratios = self._ratios[cls]
-        ratios.append(seconds / predicted)
-        if len(ratios) < self.min_samples:
-            return
-        ordered = sorted(ratios)  # ~32 floats: cheaper than numpy's median, which costs ~20 us a call
-        mid = len(ordered) // 2
-        self._factors[cls] = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-        if abs(self._factors[cls] / self._built[cls] - 1.0) > self.tolerance:
+        self._reports += 1
+        self._ratios[cls].append((self._reports, seconds / predicted))
+        plain, verify, draft = (self._young_median(c) for c in CLASSES)
+        self._factors = {"plain": plain or verify or 1.0, "verify": verify or plain or 1.0, "draft": draft or 1.0}
+        if any(abs(self._factors[c] / self._built[c] - 1.0) > self.tolerance for c in CLASSES):
             self._built = dict(self._factors)
             self.current = rescaled(self.base, **self._built)
             self.rebuilds += 1
