@@ -37,14 +37,23 @@ class StepPlan:
         return int(self.lengths.sum()) + len(self.decoding) if self.decoding else 0
 
 
-def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: int, before_draft, backlog):
+def _undrafted(decoding: list[Request], gamma: int, seconds: float = 0.0) -> StepPlan:
+    """A plan whose requests verify no drafts this step."""
     R = len(decoding)
-    drafts, lengths = torch.zeros(R, gamma, dtype=torch.long), torch.zeros(R, dtype=torch.long)
+    return StepPlan(tokens=torch.empty(0), segments=[], logit_rows=torch.empty(0), decoding=decoding,
+                    drafts=torch.zeros(R, gamma, dtype=torch.long), lengths=torch.zeros(R, dtype=torch.long),
+                    propose_seconds=seconds)
+
+
+def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: int, before_draft,
+           backlog) -> StepPlan:
+    """The step's drafting half: drafts, chosen lengths and what the drafter reported (tokens not laid out yet)."""
+    R = len(decoding)
     if R == 0:  # nothing to draft for; stateful policies must not record an empty step
-        return decoding, drafts, lengths, None, None, None, 0.0, None
+        return _undrafted(decoding, gamma)
     if drafter is None or not policy.prepare(R):
         policy.select(None, n_requests=R, gamma=gamma)  # keeps stateful policies in step
-        return decoding, drafts, lengths, None, None, None, 0.0, None
+        return _undrafted(decoding, gamma)
     t0 = time.perf_counter()
     rows = _rows_to_draft(decoding, policy, backlog)
     subset = decoding if rows is None else [decoding[i] for i in rows]
@@ -53,8 +62,7 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
         decoding = [r for r in decoding if not r.finished]  # a failed feed fails its requests only
         subset = [r for r in subset if not r.finished]
         if not subset:  # nothing left to draft for: the others verify no drafts this step
-            return decoding, drafts[:len(decoding)], lengths[:len(decoding)], None, None, None, \
-                time.perf_counter() - t0, None
+            return _undrafted(decoding, gamma, time.perf_counter() - t0)
         if rows is not None:
             position = {id(r): i for i, r in enumerate(decoding)}
             rows = [position[id(r)] for r in subset]
@@ -62,8 +70,7 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
     depth = policy.draft_depth(gamma) if hasattr(policy, "draft_depth") else gamma
     t_call = time.perf_counter()
     proposal = drafter.propose([r.draft for r in subset], depth=depth)
-    seconds = time.perf_counter() - t0  # feeding included: it is the drafter's model work
-    call = (len(subset), depth, time.perf_counter() - t_call)  # (requests, slots, seconds) of the proposal alone
+    now = time.perf_counter()
     tokens, num, probs, conf, raw = _widen(proposal, rows, len(decoding))
     extra = {} if rows is None else {"drafted": rows}
     chosen = torch.as_tensor(np.asarray(policy.select(conf, n_requests=len(decoding), gamma=gamma, **extra)),
@@ -71,8 +78,11 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
     room = torch.tensor([min(r.params.max_new_tokens - len(r.output), max_position - r.num_tokens) - 1
                          for r in decoding])  # tokens a round may add beyond the anchor
     lengths = torch.minimum(torch.minimum(chosen, num), room.clamp(min=0))
-    raw = None if raw is None else raw[:, :gamma]
-    return decoding, tokens[:, :gamma], lengths, probs, conf, raw, seconds, call
+    return StepPlan(tokens=torch.empty(0), segments=[], logit_rows=torch.empty(0), decoding=decoding,
+                    drafts=tokens[:, :gamma], lengths=lengths, draft_probs=probs, confidences=conf,
+                    confidence_logits=None if raw is None else raw[:, :gamma],
+                    propose_seconds=now - t0,  # feeding included: it is the drafter's model work
+                    draft_call_seconds=now - t_call, drafted_requests=len(subset), draft_depth=depth)
 
 
 def _rows_to_draft(decoding: list[Request], policy, backlog) -> list[int] | None:
@@ -120,17 +130,11 @@ def plan_step(running: list[Request], drafter, policy, config, max_position: int
     backlog(request) = its target states not yet fed to the drafter (what drafting it first would cost)."""
     decoding = [r for r in running if r.status is Status.DECODE]
     prefilling = [r for r in running if r.status is Status.PREFILL]
-    decoding, drafts, lengths, probs, conf, raw, seconds, call = _draft(decoding, drafter, policy, config.gamma,
-                                                                        max_position, before_draft, backlog)
-    pieces, segments, logit_rows = [], [], []
-    plan = StepPlan(tokens=torch.empty(0), segments=segments, logit_rows=torch.empty(0), decoding=decoding,
-                    drafts=drafts, lengths=lengths, draft_probs=probs, confidences=conf, confidence_logits=raw,
-                    propose_seconds=seconds)
-    if call is not None:
-        plan.drafted_requests, plan.draft_depth, plan.draft_call_seconds = call
+    plan = _draft(decoding, drafter, policy, config.gamma, max_position, before_draft, backlog)
+    pieces, segments, logit_rows = [], plan.segments, []
     n = 0
-    for i, req in enumerate(decoding):
-        block = [req.output[-1], *drafts[i, : int(lengths[i])].tolist()]  # anchor, then ℓ drafts
+    for i, req in enumerate(plan.decoding):
+        block = [req.output[-1], *plan.drafts[i, : int(plan.lengths[i])].tolist()]  # anchor, then ℓ drafts
         segments.append(Segment(req.cache, req.num_tokens - 1, len(block)))
         pieces.append(block)
         plan.decode_logit_rows.append(slice(len(logit_rows), len(logit_rows) + len(block)))
