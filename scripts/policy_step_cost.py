@@ -5,7 +5,7 @@
 
 One closed loop of `bench serve` prompts at the given concurrency; every call of the policy's prepare / select is
 timed and binned by kind (prepare: K reused from its memo or priced again; select: drafter skipped, top-K, or
-Algorithm 1 for probes and the first steps). With `--cold` it also times one small numpy job — a step's survivals —
+Algorithm 1 for probes and the first steps; with live prices, also the engine's reports). With `--cold` it also times one small numpy job — a step's survivals —
 three times in a row right before each select of a drafting step (which warms the caches for that select, so the
 policy's own times are then not what it costs): the first run pays for the caches the model's forwards have just
 flushed, which is why the policy's work costs several times more in the engine than in a loop of its own.
@@ -49,6 +49,15 @@ def instrument(policy, spent: dict[str, list[float]], cold: list[list[float]]) -
         return out
 
     policy.select, policy.prepare = timed_select, timed_prepare
+    observe = getattr(policy, "observe_step", None)
+    if getattr(policy, "live", None) is not None:  # live prices: the engine's reports cost something too
+
+        def timed_observe(*args):
+            t0 = time.perf_counter()
+            observe(*args)
+            spent["observe_step"].append(time.perf_counter() - t0)
+
+        policy.observe_step = timed_observe
 
 
 def main() -> None:
