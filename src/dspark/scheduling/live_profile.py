@@ -13,16 +13,17 @@ changes nothing; what misleads it is one of them drifting against the others.
   * verify — target forwards with at least one draft verified (B > R);
   * draft  — the drafter's proposal (its ``propose`` call, feeding excluded), priced by the drafting tables.
 
-Each factor is the median of the last ``window`` measured / predicted ratios of its class (a median, because one
-step in a few hundred stalls for 2-5x on a shared VM), and stays 1 until ``min_samples`` of them are in. The
+Each factor is the median of its class's last ``window`` measured / predicted ratios that are younger than
+``max_age`` reports (a median, because one step in a few hundred stalls for 2-5x on a shared VM; the ageing and
+what a class without enough young samples falls back to: ``LiveProfile``). The
 scheduler reads ``current``: the base profile with its grid's k = 1 column scaled by the plain factor, the other
 columns by the verify factor (so a step of R requests verifying k in (1, 2) tokens each blends the two, as the
 grid already does between those columns), and the drafting tables by the draft factor. ``current`` is rebuilt
 only when a factor has moved by more than ``tolerance`` since it was last built, so the scheduler's memo of K
 (keyed on ``rebuilds``) survives the noise.
 
-Measured in session 22 (README): the target's factors stayed within 0.95–1.04 on a host that did not drift, and
-the drafting factor settled at 0.78–0.84 serving T = 0 — the profile times proposals with T = 1 sampling, whose
+Measured in session 22 (README): the target's factors stayed within 0.94–1.06 on a host that did not drift, and
+the drafting factor settled at 0.77–0.84 serving T = 0 — the profile times proposals with T = 1 sampling, whose
 draws cost more — so even without drift the live prices remove a bias of the cached ones.
 
 Lossless: the factors come from the durations of steps already taken, never from the current step's tokens, so
@@ -56,6 +57,13 @@ def rescaled(profile: SpeedProfile, plain: float = 1.0, verify: float = 1.0, dra
         shallow_draft_seconds=tuple(s * draft for s in profile.shallow_draft_seconds),
         source=f"{profile.source} (live ×{plain:.3f} plain, ×{verify:.3f} verify, ×{draft:.3f} draft)",
     )
+
+
+def _cached(prices: dict[tuple[int, int], float], shape: tuple[int, int], price) -> float:
+    """``price(*shape)`` as a float, computed once per shape."""
+    if shape not in prices:
+        prices[shape] = float(price(*shape))
+    return prices[shape]
 
 
 class LiveProfile:
@@ -107,19 +115,14 @@ class LiveProfile:
         that took ``seconds``; forwards with prefill in them are not what the profile prices: leave them out."""
         if n_requests < 1 or n_tokens < n_requests:
             raise ValueError(f"a verify step has n_tokens >= n_requests >= 1, got {n_tokens}, {n_requests}")
-        predicted = self._step_price.get((n_tokens, n_requests))
-        if predicted is None:
-            predicted = self._step_price[n_tokens, n_requests] = float(self.base.step_s(n_tokens, n_requests))
+        predicted = _cached(self._step_price, (n_tokens, n_requests), self.base.step_s)
         self._add("plain" if n_tokens == n_requests else "verify", seconds, predicted)
 
     def observe_draft(self, n_requests: int, depth: int, seconds: float) -> None:
         """One proposal of ``depth`` slots for ``n_requests`` requests that took ``seconds``."""
         if not self.base.draft_requests:
             return  # drafting is not priced: nothing to correct
-        predicted = self._draft_price.get((n_requests, depth))
-        if predicted is None:
-            predicted = self._draft_price[n_requests, depth] = float(self.base.draft_s(n_requests, depth))
-        self._add("draft", seconds, predicted)
+        self._add("draft", seconds, _cached(self._draft_price, (n_requests, depth), self.base.draft_s))
 
     def _young_median(self, cls: str) -> float | None:
         oldest = self._reports - self.max_age
