@@ -113,7 +113,7 @@ def test_engine_reports_verify_steps_to_a_live_priced_policy_but_not_prefill():
     base, seen = make_policy("fixed-2"), []
     spy = type("Spy", (), {"prepare": lambda self, r: base.prepare(r), "draft_depth": lambda self, g: base.draft_depth(g),
                            "select": lambda self, c=None, **kw: base.select(c, **kw),
-                           "observe_step": lambda self, *a: seen.append(a)})()
+                           "observes_steps": True, "observe_step": lambda self, *a: seen.append(a)})()
     engine = Engine(tiny_target(), None, ConfidentDrafter(), spy, (), EngineConfig(gamma=GAMMA, max_running=2,
                                                                                     prefill_chunk=2))
     reqs = [engine.add_request(p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for p in ([3, 4, 5], [6, 2])]

@@ -1,8 +1,10 @@
 """Deferred drafter feeding (engine/draft_feed.py): the drafter sees the same context as with per-step feeding,
 memory per request stays bounded, and a failing feed fails its requests only."""
 import numpy as np
+import torch
 
 from dspark.decoding import SamplingParams
+from dspark.engine.draft_feed import DraftFeed
 from dspark.engine.engine import Engine, EngineConfig
 from dspark_testlib import tiny_drafter, tiny_target
 from test_dspark_exactness import plain_greedy
@@ -25,11 +27,11 @@ class EveryThird:
         return np.full(n_requests if c is None else len(c), self.k if self.drafting else 0)
 
 
-def run(max_pending: int, policy, n_tokens: int = 24, drafter=None):
+def run(max_pending: int, policy, n_tokens: int = 24, drafter=None, compact_every: int = 64):
     target = tiny_target(seed=4, scale=6.0)
     drafter = drafter or tiny_drafter(target, head="markov", block=4)
     engine = Engine(target, None, drafter, policy, (), EngineConfig(gamma=4, prefill_chunk=6))
-    engine.feed.max_pending = max_pending
+    engine.feed.max_pending, engine.feed.compact_every = max_pending, compact_every
     params = SamplingParams(temperature=0, max_new_tokens=n_tokens, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in PROMPTS]
     drafts, held = [], []
@@ -46,12 +48,60 @@ def test_deferred_feeding_drafts_what_per_step_feeding_drafts():
     """max_pending = 1 feeds after every forward (the old behaviour); the default defers to the next proposal."""
     target, _, eager_reqs, eager, _ = run(max_pending=1, policy=EveryThird(4))
     _, _, lazy_reqs, lazy, held = run(max_pending=64, policy=EveryThird(4))
-    assert len(lazy) >= 4 and lazy == eager
+    _, _, compacted_reqs, compacted, _ = run(max_pending=64, policy=EveryThird(4), compact_every=2)
+    assert len(lazy) >= 4 and lazy == eager == compacted
     assert max(held) > 1  # rows really waited between proposals
-    for prompt, a, b in zip(PROMPTS, eager_reqs, lazy_reqs):
-        assert a.error is None and b.error is None
-        assert a.output == b.output == plain_greedy(target, prompt, 24)
+    for prompt, a, b, c in zip(PROMPTS, eager_reqs, lazy_reqs, compacted_reqs):
+        assert a.error is None and b.error is None and c.error is None
+        assert a.output == b.output == c.output == plain_greedy(target, prompt, 24)
     assert sum(r.accepted for r in lazy_reqs) > 0
+
+
+def _fake_step(feed, reqs, counts, rows_of_forward, offset=0):
+    """Stash one forward of `rows_of_forward` rows whose first rows are the requests' committed ones."""
+    stacked = torch.arange(rows_of_forward * 2 * 3, dtype=torch.float32).view(rows_of_forward, 2, 3) + offset
+    hidden = {layer: stacked[:, j] for j, layer in enumerate(feed.layers)}
+    firsts = [sum(counts[:i]) for i in range(len(counts))]
+    feed.stash([(r, f, n) for r, f, n in zip(reqs, firsts, counts)], hidden, lambda r, e: None, stacked)
+    return stacked
+
+
+class _Layers:
+    needs_layers = (3, 5)
+
+    def __init__(self):
+        self.fed = []
+
+    def observe_batch(self, requests, hidden, offsets, counts):
+        self.fed.append((len(requests), torch.stack([hidden[3], hidden[5]], dim=1).clone(), offsets, counts))
+
+
+def _req(i):
+    return type("R", (), {"request_id": str(i), "draft": i})()
+
+
+def test_a_step_whose_rows_are_all_committed_is_kept_without_a_copy_and_others_are_compacted():
+    """A forward that verified no drafts (every step while the drafter is skipped) is held as views of the
+    forward's own states; one with rejected rows keeps only the committed ones."""
+    feed = DraftFeed(_Layers())
+    a, b = _req(0), _req(1)
+    whole = _fake_step(feed, [a, b], [1, 1], rows_of_forward=2)
+    assert all(chunk[0] is whole for chunk in feed.pending["0"] + feed.pending["1"])
+    partial = _fake_step(feed, [a, b], [2, 1], rows_of_forward=5, offset=100)  # b's rows 2-4 were rejected
+    kept = feed.pending["1"][-1][0]
+    assert kept is not partial and kept.shape[0] == 3 and torch.equal(kept, partial[:3])
+
+
+def test_compaction_bounds_the_steps_a_request_holds_and_feeds_the_same_rows():
+    drafter = _Layers()
+    feed = DraftFeed(drafter, compact_every=3)
+    a, b = _req(0), _req(1)
+    steps = [_fake_step(feed, [a, b], [1, 1], rows_of_forward=2, offset=10 * i) for i in range(7)]
+    assert max(len(c) for c in feed.pending.values()) < 3 and feed.held == {"0": 7, "1": 7}
+    feed.flush([a, b], lambda r, e: None)
+    (n, states, offsets, counts), = drafter.fed
+    assert n == 2 and offsets == [0, 7] and counts == [7, 7] and not feed.pending
+    assert torch.equal(states, torch.cat([torch.stack([s[0] for s in steps]), torch.stack([s[1] for s in steps])]))
 
 
 def test_pending_rows_are_bounded_when_the_drafter_never_runs():

@@ -147,11 +147,10 @@ class Engine:
     def _report_step(self, plan: StepPlan, forward_s: float) -> None:
         """Tell a policy that prices steps live (AsyncPolicy with ``live``) what this one cost; a forward with
         prefill in it is not a step the speed profile prices."""
-        observe = getattr(self.policy, "observe_step", None)
-        if observe is None or plan.prefilling or not plan.decoding:
-            return
-        observe(plan.verified_tokens, len(plan.decoding), forward_s, plan.drafted_requests, plan.draft_depth,
-                plan.draft_call_seconds)
+        if not getattr(self.policy, "observes_steps", False) or plan.prefilling or not plan.decoding:
+            return  # the common case costs no bookkeeping
+        self.policy.observe_step(plan.verified_tokens, len(plan.decoding), forward_s, plan.drafted_requests,
+                                 plan.draft_depth, plan.draft_call_seconds)
 
     def _reap_aborted(self) -> list[RequestOutput]:
         outs = []
@@ -226,7 +225,7 @@ class Engine:
         live = [(r, first, n) for r, first, n in self._observed if not r.finished]
         if not self.feed.active or not out.hidden or not live:
             return
-        self.feed.stash(live, out.hidden, lambda req, exc: self._fail(req, exc, outputs))
+        self.feed.stash(live, out.hidden, lambda req, exc: self._fail(req, exc, outputs), out.stacked)
 
     def _emit(self, req: Request, tokens: list[int]) -> RequestOutput:
         if req.first_token_at is None:

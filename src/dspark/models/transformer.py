@@ -34,6 +34,7 @@ class Segment:
 class ForwardOutput:
     logits: torch.Tensor | None  # [M, V] fp32, for the requested rows
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [N, d], before the final norm
+    stacked: torch.Tensor | None = None  # [N, m, d]: the hidden_layers in the order asked for (hidden's views)
     final_hidden: torch.Tensor | None = None  # [M, d], after the final norm (what the LM head sees)
 
 
@@ -110,18 +111,20 @@ class Transformer:
             s.cache.begin_write(s.start, s.length)
         rope_global = self.rope.lookup(positions, top)
         rope_local = self.rope_local.lookup(positions, top) if self.rope_local is not self.rope else rope_global
-        wanted = set(hidden_layers)
-        hidden: dict[int, torch.Tensor] = {}
+        slot = {layer: j for j, layer in enumerate(dict.fromkeys(hidden_layers))}
         plan = self._plan_attention(segments)
         x = self.embed_tokens(tokens.to(self.device))  # [N, d]
+        # captured layers are copied into one buffer as they pass, so x's memory is reused, not held
+        stacked = x.new_empty(x.shape[0], len(slot), x.shape[1]) if slot else None  # [N, m, d]
         for i, layer in enumerate(self.layers):
             rope = rope_local if self.config.is_sliding(i) else rope_global
             x = self._layer(i, layer, x, rope, plan)
-            if i in wanted:
-                hidden[i] = x
+            if i in slot:
+                stacked[:, slot[i]].copy_(x)
+        hidden = {layer: stacked[:, j] for layer, j in slot.items()}
         rows = x if logit_rows is None else x[logit_rows.to(self.device)]
         final = rms_norm(rows, self.final_norm, self.config.rms_eps)
-        return ForwardOutput(logits=self.lm_logits(final), hidden=hidden,
+        return ForwardOutput(logits=self.lm_logits(final), hidden=hidden, stacked=stacked,
                              final_hidden=final if return_final_hidden else None)
 
     # ----------------------------------------------------------------------------------------------
@@ -159,13 +162,13 @@ class Transformer:
         return first, mask
 
     def _layer(self, index: int, w: LayerWeights, x: torch.Tensor, rope, plan: _AttentionPlan) -> torch.Tensor:
-        # In-place where the tensor is ours alone (fewer allocations: per-op overhead dominates at small N);
-        # the layer's input x may be a captured hidden state, so the first residual add makes a new tensor.
+        # In-place where the tensor is ours alone (fewer allocations: per-op overhead dominates at small N): x is
+        # the forward's running state (captured layers are copied out), so both residual adds go into it.
         eps = self.config.rms_eps
         h = self._attention(index, w, rms_norm(x, w.attn_norm, eps), rope, plan)
         if w.post_attn_norm is not None:
             h = rms_norm(h, w.post_attn_norm, eps)
-        x = x + h
+        x.add_(h)
         gate, up = w.gate_up(rms_norm(x, w.ffn_norm, eps)).chunk(2, dim=-1)
         h = w.down(self.act(gate).mul_(up))
         if w.post_ffn_norm is not None:

@@ -247,6 +247,11 @@ class AsyncPolicy:
                                         depth=self.draft_depth(c.shape[1]))
         return top_k_lengths(c, self.last_capacity)
 
+    @property
+    def observes_steps(self) -> bool:
+        """Whether the engine should report each step's times (``observe_step``): only live prices use them."""
+        return self.live is not None
+
     def observe_step(self, n_tokens: int, n_requests: int, forward_s: float, drafted: int = 0, depth: int = 0,
                      draft_s: float = 0.0) -> None:
         """After a target forward with no prefill in it: ``n_requests`` requests verified ``n_tokens`` tokens in
