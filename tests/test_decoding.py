@@ -93,8 +93,9 @@ def test_rejection_draws_replacement_from_residual():
 
 
 def test_batched_verification_equals_per_request_reference():
-    """verify_requests (buffers as wide as the longest block, greedy by per-request argmax) against each request
-    verified alone with full γ + 1 buffers, the slow reference: same tokens, same generator states after."""
+    """verify_requests (buffers as wide as the longest block, greedy by per-request argmax, or by one batched
+    argmax over the rows of a shared table) against each request verified alone with full γ + 1 buffers, the
+    slow reference: same tokens, same generator states after."""
     from dspark.decoding.batch import verify_requests
 
     gamma, vocab, g = 5, 11, torch.Generator().manual_seed(0)
@@ -109,6 +110,12 @@ def test_batched_verification_equals_per_request_reference():
     stop[4, 0] = True
     gens = [torch.Generator().manual_seed(10 + r) for r in range(6)]
     got = verify_requests(logits, drafts, lengths, q, params, gens, stop)
+    table = torch.cat([torch.randn(2, vocab, generator=g), *logits])  # the requests' rows after two others
+    starts = [2 + int((lengths[:r] + 1).sum()) for r in range(6)]
+    views = [table[s: s + int(n) + 1] for s, n in zip(starts, lengths)]
+    gens_b = [torch.Generator().manual_seed(10 + r) for r in range(6)]
+    batched = verify_requests(views, drafts, lengths, q, params, gens_b, stop, table=(table, starts))
+    assert all(torch.equal(getattr(got, f), getattr(batched, f)) for f in ("accepted", "next_token", "stopped"))
     for r in range(6):
         full = torch.zeros(1, gamma + 1, vocab)
         n = int(lengths[r])

@@ -9,9 +9,12 @@ from .verify import VerifyResult, accept_greedy, draw_uniforms, verify
 
 def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft: torch.Tensor,
                     draft_probs: torch.Tensor | None, params: list[SamplingParams],
-                    generators: list[torch.Generator], stop_mask: torch.Tensor) -> VerifyResult:
+                    generators: list[torch.Generator], stop_mask: torch.Tensor,
+                    table: tuple[torch.Tensor, list[int]] | None = None) -> VerifyResult:
     """logits[r]: [ℓ_r+1, V] target rows of request r; drafts: [R, γ]; num_draft: [R]; draft_probs: [R, γ, V]
-    or None; stop_mask: [R, γ] bool (draft k of request r is one of r's stop tokens).
+    or None; stop_mask: [R, γ] bool (draft k of request r is one of r's stop tokens); table: (all rows [M, V],
+    the first row of each request) when every logits[r] is a run of rows of one tensor, as in the engine's
+    forward: greedy requests then take one batched argmax.
 
     Greedy requests take the argmax fast path; the rest are processed with their own parameters (the same
     ones their drafts were processed with) and verified together. Buffers are only as wide as the longest
@@ -32,10 +35,7 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
         width = int(num_draft[idx].max())  # drafts any request of the group verifies; slots beyond are unused
         draft, stops = drafts[idx, :width], stop_mask[idx, :width]
         if is_greedy:
-            best = torch.zeros(len(group), width + 1, dtype=torch.long)  # [G, width+1] target argmax tokens
-            for i, r in enumerate(group):
-                best[i, : logits[r].shape[0]] = logits[r].argmax(-1)
-            res = accept_greedy(draft, best, num_draft[idx], stops)
+            res = accept_greedy(draft, _argmax_tokens(logits, group, width, table), num_draft[idx], stops)
         else:
             rows = torch.zeros(len(group), width + 1, vocab)  # [G, width+1, V], zero beyond each ℓ_r + 1
             for i, r in enumerate(group):
@@ -46,3 +46,20 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
             res = verify(draft, q, rows, num_draft[idx], uniforms, stops)
         accepted[idx], next_token[idx], stopped[idx] = res.accepted, res.next_token, res.stopped
     return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
+
+
+def _argmax_tokens(logits: list[torch.Tensor], group: list[int], width: int,
+                   table: tuple[torch.Tensor, list[int]] | None) -> torch.Tensor:
+    """[G, width + 1] the target's argmax token at each verified position of the group's requests; past a
+    request's ℓ_r + 1 rows the entries are filler that accept_greedy never reads."""
+    if table is None:  # the slow reference: one argmax per request
+        best = torch.zeros(len(group), width + 1, dtype=torch.long)
+        for i, r in enumerate(group):
+            best[i, : logits[r].shape[0]] = logits[r].argmax(-1)
+        return best
+    rows, starts = table
+    first = torch.tensor([starts[r] for r in group])  # [G]
+    last = first + torch.tensor([logits[r].shape[0] - 1 for r in group])
+    lo, hi = int(first.min()), int(last.max()) + 1
+    top = rows[lo:hi].argmax(-1)  # one call over the span: 31 per-request calls cost twice as much at C = 32
+    return top[torch.minimum(first.unsqueeze(1) + torch.arange(width + 1), last.unsqueeze(1)) - lo]

@@ -170,9 +170,9 @@ class Engine:
             return []
         reqs = plan.decoding
         logits = [out.logits[rows] for rows in plan.decode_logit_rows]
-        stop_mask = torch.stack([self._stop_mask(r, plan.drafts[i]) for i, r in enumerate(reqs)])
         result = verify_requests(logits, plan.drafts, plan.lengths, plan.draft_probs, [r.params for r in reqs],
-                                 [r.generator for r in reqs], stop_mask)
+                                 [r.generator for r in reqs], self._stop_mask(reqs, plan.drafts, plan.lengths),
+                                 table=(out.logits, [rows.start for rows in plan.decode_logit_rows]))
         observe = getattr(self.policy, "observe_outcomes", None)  # online calibration (scheduling/acceptance_tracker)
         if observe is not None and plan.confidences is not None:
             observe(plan.confidences, plan.lengths.numpy(), result.accepted.numpy())
@@ -215,9 +215,19 @@ class Engine:
     def _stop_ids(self, req: Request) -> set[int]:
         return set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.eos_ids))
 
-    def _stop_mask(self, req: Request, drafts: torch.Tensor) -> torch.Tensor:
-        stops = self._stop_ids(req)
-        return torch.tensor([int(t) in stops for t in drafts.tolist()], dtype=torch.bool)
+    def _stop_mask(self, reqs: list[Request], drafts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[R, g] whether each draft is one of its request's stop tokens (one isin per distinct stop set)."""
+        mask = torch.zeros(drafts.shape, dtype=torch.bool)
+        if not int(lengths.max()):
+            return mask  # nothing verified: no draft can stop a request
+        groups: dict[frozenset[int], list[int]] = {}
+        for i, req in enumerate(reqs):
+            groups.setdefault(frozenset(self._stop_ids(req)), []).append(i)
+        for stops, rows in groups.items():
+            if stops:
+                idx = torch.tensor(rows)
+                mask[idx] = torch.isin(drafts[idx], torch.tensor(sorted(stops)))
+        return mask
 
     def _feed_drafter(self, out, outputs: list[RequestOutput]) -> None:
         """Keep the target states of every token committed this step for the drafter (fed before it drafts, or
