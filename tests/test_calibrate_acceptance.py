@@ -128,6 +128,25 @@ def test_head_latency_restores_the_heads(tiny):
     assert head_latency(loaded, make_drafter("ngram", target=loaded.model), [3, 4, 5]) is None  # model-free
 
 
+def test_speed_vs_plain_splits_each_loops_rounds_into_phases(tiny):
+    """The in-loop round breakdown: phases are non-negative and add up to the round; plain decoding proposes
+    nothing and emits one token a round."""
+    from dspark.bench.acceptance import speed_vs_plain
+
+    root, loaded, paths, prompts = tiny
+    drafter = make_drafter(str(paths["dspark"]), target=loaded.model)
+    cfg = AcceptanceConfig(model=str(root / "target"), gamma=4, max_new_tokens=12)
+    speed = speed_vs_plain(loaded, drafter, [("s", prompt_ids(loaded.tokenizer, "count to 3", True))], 0.0, cfg)
+    plain, spec = speed["plain_round"], speed["spec_round"]
+    for r in (plain, spec):
+        parts = [r[f"{k}_ms"] for k in ("propose", "forward", "verify", "observe")]
+        assert min(parts) >= 0 and r["other_ms"] > -1e-6 and r["forward_ms"] > 0
+        assert sum(parts) + r["other_ms"] == pytest.approx(r["round_ms"])
+        assert r["ms_per_token"] == pytest.approx(r["round_ms"] / r["tokens_per_round"])
+    assert plain["propose_ms"] < 0.01 and plain["tokens_per_round"] == 1  # no proposal: only the check
+    assert spec["propose_ms"] > 0 and spec["tokens_per_round"] >= 1
+
+
 def test_bench_serve_simulates_the_measured_cells(tiny, tmp_path, monkeypatch):
     """`dspark bench serve --traces`: every measured cell gets the simulator's prediction from this machine's
     profile (target steps and this drafter's drafting cost, measured and cached) and the recorded traces."""

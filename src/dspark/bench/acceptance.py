@@ -97,6 +97,7 @@ def speed_vs_plain(loaded, drafter, prompts, temperature: float, cfg: Acceptance
 
     target = TransformerTarget(loaded.model, hidden_layers=tuple(getattr(drafter, "needs_layers", ())))
     rates = {"plain": [], "spec": []}
+    stats = {"plain": [], "spec": []}
     for i, (_, ids) in enumerate(prompts):
         for kind, d in (("plain", None), ("spec", drafter)):
             params = SamplingParams(temperature=temperature, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + i)
@@ -104,8 +105,24 @@ def speed_vs_plain(loaded, drafter, prompts, temperature: float, cfg: Acceptance
             for _ in gen:
                 pass
             rates[kind].append(gen.stats.new_tokens / gen.stats.total_s)
+            stats[kind].append(gen.stats)
     plain, spec = median(rates["plain"]), median(rates["spec"])
-    return {"prompts": len(prompts), "plain_tok_s": plain, "spec_tok_s": spec, "speedup": spec / plain}
+    return {"prompts": len(prompts), "plain_tok_s": plain, "spec_tok_s": spec, "speedup": spec / plain,
+            "plain_round": in_loop_round(stats["plain"]), "spec_round": in_loop_round(stats["spec"])}
+
+
+def in_loop_round(stats) -> dict:
+    """Mean ms per round inside the generation loop, by phase, pooled over its prompts: what a round really
+    costs (a proposal right after a target forward runs on cold caches, unlike head_latency's repeated calls)."""
+    rounds = sum(s.rounds for s in stats)
+    phases = {k: 1000 * sum(getattr(s, f"{k}_s") for s in stats) / rounds
+              for k in ("propose", "forward", "verify", "observe")}
+    decode_s = sum(s.total_s - s.ttft_s for s in stats)
+    tokens = sum(s.new_tokens - 1 for s in stats)  # the first token comes from the prefill
+    phases["other"] = 1000 * decode_s / rounds - sum(phases.values())
+    return {**{f"{k}_ms": v for k, v in phases.items()}, "round_ms": 1000 * decode_s / rounds,
+            "tokens_per_round": tokens / rounds, "ms_per_token": 1000 * decode_s / tokens,
+            "prefill_ms": 1000 * sum(s.ttft_s for s in stats) / len(stats)}
 
 
 def head_latency(loaded, drafter, ids: list[int], repeats: int = 20) -> dict | None:
@@ -190,6 +207,14 @@ def _tables(cfg: AcceptanceConfig, rows: list[dict]) -> str:
                 ["drafter", "prompts", "plain", "speculative", "speedup"],
                 [[r["drafter"], r["speed"]["prompts"], r["speed"]["plain_tok_s"], r["speed"]["spec_tok_s"],
                   f"{r['speed']['speedup']:.2f}×"] for r in speed])]
+            phases = ("propose", "forward", "verify", "observe", "other")
+            md += ["\nA round inside those generation loops (mean ms; forward = the target's, verify = the "
+                   "acceptance rule, observe = feeding the drafter; prefill excluded):\n", markdown_table(
+                       ["drafter", "loop", *phases, "round", "tokens / round", "ms per token"],
+                       [[r["drafter"], kind, *(r["speed"][f"{kind}_round"][f"{p}_ms"] for p in phases),
+                         r["speed"][f"{kind}_round"]["round_ms"], r["speed"][f"{kind}_round"]["tokens_per_round"],
+                         r["speed"][f"{kind}_round"]["ms_per_token"]]
+                        for r in speed if "spec_round" in r["speed"] for kind in ("plain", "spec")])]
     return "\n".join(md)
 
 

@@ -76,6 +76,12 @@ class GenerationStats:
     total_s: float = 0.0
     finish_reason: str = ""
     accepted_per_round: list[int] = field(default_factory=list)
+    # where the rounds' time went (seconds, summed over rounds): the drafter's proposal, the target's forward,
+    # the acceptance rule, and feeding the drafter the committed tokens' states; the rest is bookkeeping
+    propose_s: float = 0.0
+    forward_s: float = 0.0
+    verify_s: float = 0.0
+    observe_s: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -90,7 +96,9 @@ class GenerationStats:
         return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "rounds": self.rounds,
                 "drafted": self.drafted, "accepted": self.accepted, "tau": round(self.tau, 4),
                 "tokens_per_s": round(self.tokens_per_s, 3), "ttft_s": round(self.ttft_s, 4),
-                "total_s": round(self.total_s, 4), "finish_reason": self.finish_reason}
+                "total_s": round(self.total_s, 4), "finish_reason": self.finish_reason,
+                "propose_s": round(self.propose_s, 4), "forward_s": round(self.forward_s, 4),
+                "verify_s": round(self.verify_s, 4), "observe_s": round(self.observe_s, 4)}
 
 
 class Generation:
@@ -139,16 +147,23 @@ class Generation:
         start = len(request.tokens) - 1  # the anchor's position: everything before it is cached
         budget = min(self.params.max_new_tokens - self.stats.new_tokens, self.target.max_position - start) - 1
         drafts, probs, n = torch.zeros(1, 0, dtype=torch.long), None, 0
+        t0 = time.perf_counter()
         if self.drafter is not None and budget > 0:
             proposal = self.drafter.propose([request])
             n = min(int(proposal.num_tokens[0]), budget)
             drafts = proposal.tokens[:, :n]
             probs = None if proposal.probs is None else proposal.probs[:, :n]
+        t1 = time.perf_counter()
         logits = self.target.forward(state, start, [request.tokens[-1], *drafts[0].tolist()])  # [n+1, V]
+        t2 = time.perf_counter()
         result = self._verify(drafts, probs, logits.unsqueeze(0), n)
         accepted = int(result.accepted[0])
+        t3 = time.perf_counter()
         self.target.truncate(state, start + accepted + 1)  # keep the anchor and the accepted drafts
         self._observe(request, accepted + 1)
+        s = self.stats
+        s.propose_s, s.forward_s, s.verify_s = s.propose_s + t1 - t0, s.forward_s + t2 - t1, s.verify_s + t3 - t2
+        s.observe_s += time.perf_counter() - t3
         self.stats.rounds += 1
         self.stats.drafted += n
         self.stats.accepted += accepted
