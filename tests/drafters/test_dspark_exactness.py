@@ -284,7 +284,9 @@ RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0
          "near-threshold probe": dict(min_gain=0.5, near_loss=0.9, max_age=4),
          "early stop below K": dict(early_stop=1, min_gain=0.0, max_age=4),
          "no extra slot": dict(lean_depth=1, min_gain=0.0, max_age=4),
-         "live step prices": dict(live=1, min_gain=0.0, max_age=4)}
+         "live step prices": dict(live=1, min_gain=0.0, max_age=4),
+         "confirmed thin pool": dict(confirm=1, steady_run=4, probe_requests=1, probe_every=2, stay_gain=None,
+                                     min_gain=0.1, max_age=4)}
 
 
 def _verify_priced_profile(gamma: int):
@@ -308,7 +310,8 @@ def _staircase_profile(gamma: int):
 
 
 # The profile each rule fires under, and whether only at one request (the staircase's jumps fall there)
-PRICED_BY = {"early stop below K": (_verify_priced_profile, False), "no extra slot": (_staircase_profile, True)}
+PRICED_BY = {"early stop below K": (_verify_priced_profile, False), "no extra slot": (_staircase_profile, True),
+             "confirmed thin pool": (_depth_priced_profile, False)}
 
 
 def _rules_engine(target, drafter, max_running: int, rule: str):
@@ -319,12 +322,15 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
     if rule in PRICED_BY:  # rules that read the confidences: a random head's are all ~0.5, so spread them
         with torch.no_grad():
             drafter.model.confidence.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
-    max_running = 1 if solo else max_running
+    max_running = 1 if solo else max(max_running, 3 if rule == "confirmed thin pool" else 1)  # probes of one
     policy = make_policy("async", sps=priced(drafter.gamma), **RULES[rule])
     seen, prepare, select, probes = set(), policy.prepare, policy.select, [0]  # probes since the last drafting run
 
     def spy(n_requests):
+        confirmed = policy._confirmed
         drafts = prepare(n_requests)
+        if policy._probing and policy._confirmed != confirmed:
+            seen.add("confirmed thin pool")  # a probe run because the pool was thinner than the batch
         if policy.live is not None and policy.live.rebuilds and policy.last_capacity is not None:
             if _capacity_priced_by(policy, policy.live.base, n_requests) != policy._memo[1]:
                 seen.add("live step prices")  # the measured times changed K
@@ -376,8 +382,12 @@ def test_engine_greedy_with_async_low_load_rules_equals_plain(rule):
 
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_engine_seeded_sampling_with_async_low_load_rules(rule):
-    target = tiny_target(seed=4, scale=2.0)
-    drafter = tiny_drafter(target, head="markov", block=4)
+    if rule == "confirmed thin pool":  # this target's drafts are accepted so often the drafter is never skipped
+        target = tiny_target(vocab=V, hidden=32, layers=2, seed=11, scale=3.0)  # long enough to probe: the T = 1 one
+        drafter = tiny_drafter(target, head="markov", rank=6, block=5, head_scale=1.0)
+    else:
+        target = tiny_target(seed=4, scale=2.0)
+        drafter = tiny_drafter(target, head="markov", block=4)
 
     def run(seed):
         engine, seen = _rules_engine(target, drafter, 2, rule)

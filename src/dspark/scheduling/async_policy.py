@@ -84,6 +84,16 @@ class AsyncPolicy:
     verified step through ``observe_outcomes``. Not the default: on the dev CPU it lowered the verify budget where
     the offline calibration ran over-confident but bought no throughput (results/serving-dspark-more).
 
+    Two rules for loads where a probe drafts fewer requests than the batch holds (R > ``probe_requests``):
+    with ``confirm`` a pool thinner than the batch (fewer than min(``pool_requests``, R) rows: a probe's two
+    rows pricing K for eight requests) that prices K > 0 from a skipped state is probed again before every
+    request drafts, and K > 0 comes once the pooled probes hold enough rows: on the dev AVX-512 CPU at C = 4,
+    steps verifying K >= 4 drafts from two-row pools accepted 28 % of them against 43 % for the probes' own
+    Algorithm 1 (scripts/engine_step_times.py --async-decisions). With ``steady_run`` = n a drafting run
+    resets the probe interval only once it has lasted n steps; a shorter one (a false start on a lucky probe)
+    keeps the backed-off interval, where by default every such run reset it and the probes never backed off
+    (C = 4: 132 probes in 90 s, 74 with ``steady_run=4``). Both read only past decisions and old confidences.
+
     With ``live`` the profile's prices follow the step times the engine reports through ``observe_step``
     (``live_profile.py``: plain, verify and drafting prices each corrected by the median measured / predicted
     ratio of their recent steps), for a machine whose speed drifts after the profile was measured.
@@ -97,7 +107,8 @@ class AsyncPolicy:
                  pool_requests: int = 8, pool_steps: int = 8, online_calibration: bool = False,
                  min_gain: float = 0.03, probe_requests: int = 2, stay_gain: float | None = 0.0,
                  reprobe_every: int | None = None, max_age: int | None = 16, near_loss: float = 0.05,
-                 early_stop: bool = False, lean_depth: bool = False, live: bool = False):
+                 early_stop: bool = False, lean_depth: bool = False, live: bool = False, steady_run: int = 1,
+                 confirm: bool = False):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -132,6 +143,12 @@ class AsyncPolicy:
         self.lean_depth = bool(lean_depth)
         if live not in (0, 1):
             raise ValueError(f"live must be a bool (0 or 1), got {live!r}")
+        if steady_run < 1:
+            raise ValueError(f"steady_run must be >= 1, got {steady_run}")
+        self.steady_run = steady_run
+        if confirm not in (0, 1):
+            raise ValueError(f"confirm must be a bool (0 or 1), got {confirm!r}")
+        self.confirm = bool(confirm)
         self.live = LiveProfile(sps) if live else None  # kept across reset(): it describes the machine
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
@@ -149,6 +166,8 @@ class AsyncPolicy:
         self._step = 0  # index of the step being planned
         self._skipped = 0  # drafter-skipped steps in a row
         self._interval = self.probe_every  # skipped steps before the next probe
+        self._run = 0  # K > 0 steps in a row
+        self._confirmed: tuple = ()  # the thin pool the last confirming probe was run for
         self._planned = False
         self._probing = False  # this step is a probe (drafts only `probe_requests` requests)
         # (pool steps, R, tracker ratio), the best K they priced, Θ_K / Θ_0, whether K + 1 could pay (lean_depth)
@@ -179,7 +198,7 @@ class AsyncPolicy:
     def prepare(self, n_requests: int) -> bool:
         """Fix K for the coming step (before drafting); returns whether the drafter should run."""
         pool_steps, c_old = self._old_confidences()
-        ratio = 1.0
+        ratio, confirm = 1.0, False
         if not c_old:
             self.last_capacity = None
         else:
@@ -197,10 +216,20 @@ class AsyncPolicy:
                 self._memo = (key, *priced, grow)
             _, best, ratio, self._grow = self._memo
             margin = self.stay_gain if self.last_capacity else self.min_gain  # hysteresis: drafting keeps on
+            starting = not self.last_capacity
             self.last_capacity = best if ratio > 1.0 + margin else 0
+            if self.confirm and starting and self.last_capacity and self._thin(c_old, n_requests):
+                confirm, self.last_capacity = pool_steps != self._confirmed, 0
+                self._confirmed = pool_steps
         self._probing = False
+        self._run = self._run + 1 if self.last_capacity else 0
         if self.last_capacity:  # when this run ends, look again soon if a probe is just a drafting step
-            self._interval = self.reprobe_every if n_requests <= self.probe_requests else self.probe_every
+            if n_requests <= self.probe_requests:
+                self._interval = self.reprobe_every
+            elif self._run >= self.steady_run:  # a false start keeps the backed-off interval
+                self._interval = self.probe_every
+        elif self.last_capacity == 0 and confirm:  # a promising thin pool: probe again before drafting for all
+            self.last_capacity, self._probing = None, True
         elif self.last_capacity == 0 and self._skipped >= self._interval:
             self.last_capacity = None  # a probe: draft, verify by Algorithm 1, refresh the history
             near = ratio >= 1.0 - self.near_loss and n_requests <= self.probe_requests
@@ -208,6 +237,10 @@ class AsyncPolicy:
             self._probing = True
         self._planned = True
         return self.last_capacity != 0
+
+    def _thin(self, c_old, n_requests: int) -> bool:
+        """Whether the pool holds fewer rows than the batch it prices (a probe's two rows for eight requests)."""
+        return sum(c.shape[0] for c, _ in c_old) < min(self.pool_requests, n_requests)
 
     def draft_depth(self, gamma: int) -> int:
         """Slots worth drafting this step (after ``prepare``): K caps how deep any request can verify."""

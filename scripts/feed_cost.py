@@ -1,0 +1,65 @@
+"""What having a drafter costs the engine on steps that draft nothing: plain decoding without a drafter against
+the async scheduler under load (it skips the drafter but still captures and keeps the target states the drafter
+will need), decode-only steps of the same requests, engines stepped in alternating order.
+
+    .venv/bin/python scripts/feed_cost.py --concurrency 32 --out results/feed-cost-s23/after.txt
+    PYTHONPATH=<older checkout>/src .venv/bin/python scripts/feed_cost.py --concurrency 32 --out .../before.txt
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from dspark.bench.serving import ServeBenchConfig, setup
+
+
+def _timed(store: dict, key: str, fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        store.setdefault(key, []).append(time.perf_counter() - t0)
+        return out
+    return wrapper
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--blocks", type=int, default=12, help="blocks of --steps steps per engine")
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    cfg = ServeBenchConfig(model="smollm2-135m-instruct", drafter="dspark", policies=("none", "async"),
+                           concurrency=(args.concurrency,), max_new_tokens=400)
+    _, _, prompts, params, engines = setup(cfg)
+    times: dict[str, list[float]] = {}
+    for name, engine in engines.items():
+        engine.step = _timed(times, f"{name} step", engine.step)
+        engine._commit_decoding = _timed(times, f"{name} commit", engine._commit_decoding)
+        if engine.drafter is not None:
+            engine.feed.stash = _timed(times, f"{name} stash", engine.feed.stash)
+        for p in prompts[: args.concurrency]:
+            engine.add_request(p, params)
+        while engine.waiting or any(r.status.name != "DECODE" for r in engine.running):
+            engine.step()
+    times.clear()  # decode-only steps from here
+    order = list(engines.items())
+    for block in range(args.blocks):
+        for name, engine in (order if block % 2 == 0 else order[::-1]):
+            for _ in range(args.steps):
+                engine.step()
+    lines = [f"decode-only steps at C = {args.concurrency} ({args.blocks} blocks of {args.steps}), "
+             f"{len(engines['none'].running)} requests still running; median µs per step"]
+    lines += [f"{key:16s} {1e6 * statistics.median(v):9.1f}" for key, v in sorted(times.items())]
+    ratio = statistics.median(times["async step"]) / statistics.median(times["none step"])
+    lines.append(f"async / none step: {ratio:.4f}")
+    print("\n".join(lines))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

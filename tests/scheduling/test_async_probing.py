@@ -1,0 +1,90 @@
+"""The async scheduler's probing under load, where a probe drafts fewer requests than the batch holds:
+``confirm`` (a promising pool thinner than the batch is re-probed before every request drafts) and ``steady_run``
+(a drafting run that ends at once keeps the backed-off probe interval). Both read only past decisions and old
+confidences; the engine-level exactness of every async variant is in tests/drafters/test_dspark_exactness.py."""
+import numpy as np
+import pytest
+
+from dspark.scheduling.async_policy import AsyncPolicy
+from dspark.scheduling.registry import make_policy
+
+
+def _priced_for(n_requests: int):
+    """Plain decoding at 1 step/s; any drafts slow the step to 1/1.4: K > 0 pays only for confident drafts."""
+    return lambda b: np.where(np.asarray(b) > n_requests, 1 / 1.4, 1.0)
+
+
+def _serve(pol: AsyncPolicy, n_requests: int, steps: int, confidence) -> list[tuple[int | None, int]]:
+    """(K, requests drafted) of each step; confidence(step, probing) is what every drafted slot shows."""
+    seen = []
+    for step in range(steps):
+        drafts = pol.prepare(n_requests)
+        n = pol.requests_to_draft(n_requests) if drafts else 0
+        seen.append((pol.last_capacity, n))
+        if not drafts:
+            pol.select(None, n_requests=n_requests)
+            continue
+        c = np.zeros((n_requests, 3))
+        c[:n] = confidence(step, pol._probing)
+        pol.select(c, drafted=list(range(n)) if n < n_requests else None)
+    return seen
+
+
+def test_confirm_reprobes_a_thin_promising_pool_before_drafting_for_every_request():
+    """Four requests, probes of two: a probe's two strong rows price K > 0 for all four. Without confirm the
+    next step drafts all four on that evidence; with it, a second probe runs first, and K > 0 comes once the pool
+    holds four rows."""
+    def policy(**kw):
+        return AsyncPolicy(_priced_for(4), min_gain=0.1, pool_requests=8, probe_every=2, max_age=4, **kw)
+
+    strong_after_start = lambda step, probing: 0.1 if step < 2 else 0.9  # noqa: E731
+    plain = _serve(policy(), 4, 10, strong_after_start)
+    confirmed = _serve(policy(confirm=1), 4, 10, strong_after_start)
+    # steps 0-1: no history (Algorithm 1, all drafted); 2-3 weak: skipped; 4: the probe (two requests)
+    assert plain[:6] == confirmed[:6] == [(None, 4), (None, 4), (0, 0), (0, 0), (None, 2), (0, 0)]
+    assert plain[6] == (12, 4)  # K from the probe's two rows alone
+    # step 6 probes again; step 7 still sees only the first probe and waits (no second confirmation of it);
+    # step 8 pools both probes: four rows for four requests
+    assert confirmed[6:9] == [(None, 2), (0, 0), (12, 4)]
+
+
+def test_confirm_that_turns_weak_keeps_the_drafter_off():
+    """A lucky probe (0.45) among weak drafts (0.05): alone its two rows price K > 0 for four requests, pooled
+    with the confirming probe's weak rows they do not."""
+    def policy(**kw):
+        return AsyncPolicy(_priced_for(4), min_gain=0.1, pool_requests=8, probe_every=2, max_age=4, **kw)
+
+    lucky_once = lambda step, probing: 0.45 if step == 4 else 0.05  # noqa: E731
+    plain, confirmed = _serve(policy(), 4, 14, lucky_once), _serve(policy(confirm=1), 4, 14, lucky_once)
+    assert plain[6:8] == [(12, 4), (12, 4)]  # two steps draft all four on the lucky rows
+    assert confirmed[6] == (None, 2) and all(n <= 2 for _, n in confirmed[2:])  # no step drafts all four
+
+
+def test_confirm_changes_nothing_when_a_probe_drafts_the_whole_batch():
+    for n_requests in (1, 2):
+        runs = [_serve(AsyncPolicy(_priced_for(n_requests), min_gain=0.1, probe_every=2, max_age=4, **kw),
+                       n_requests, 24, lambda step, probing: 0.9 if probing else 0.1)
+                for kw in ({}, {"confirm": 1})]
+        assert runs[0] == runs[1]
+
+
+def test_a_false_start_keeps_the_backed_off_probe_interval_with_steady_run():
+    """Three requests, probes of two that look strong, drafting steps that turn out weak: each drafting run
+    lasts two steps. By default every run resets the interval, so the probes never back off; with steady_run = 4
+    a run that short keeps the interval, which goes on doubling."""
+    def probes(**kw):
+        pol = AsyncPolicy(_priced_for(3), min_gain=0.1, pool_requests=1, probe_every=2, max_probe_every=64, **kw)
+        seen = _serve(pol, 3, 40, lambda step, probing: 0.9 if probing else 0.1)
+        return [step for step, (k, _) in enumerate(seen) if k is None and step >= 2]
+
+    assert np.diff(probes()).tolist() == [6] * (len(probes()) - 1)
+    steady = probes(steady_run=4)
+    assert steady[:3] == [4, 12, 24] and len(steady) < len(probes())
+
+
+def test_probing_options_are_validated_and_reachable_by_name():
+    pol = make_policy("async:confirm=1:steady_run=4", sps=_priced_for(1))
+    assert pol.confirm is True and pol.steady_run == 4
+    for bad in ({"confirm": 2}, {"steady_run": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            AsyncPolicy(_priced_for(1), **bad)
