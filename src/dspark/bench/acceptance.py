@@ -112,8 +112,8 @@ def speed_vs_plain(loaded, drafter, prompts, temperature: float, cfg: Acceptance
 
 
 def in_loop_round(stats) -> dict:
-    """Mean ms per round inside the generation loop, by phase, pooled over its prompts: what a round really
-    costs (a proposal right after a target forward runs on cold caches, unlike head_latency's repeated calls)."""
+    """Mean ms per round inside the generation loop, by phase, pooled over its prompts: each part timed where
+    it runs, after the target forward before it, rather than in head_latency's repeated warm calls."""
     rounds = sum(s.rounds for s in stats)
     phases = {k: 1000 * sum(getattr(s, f"{k}_s") for s in stats) / rounds
               for k in ("propose", "forward", "verify", "observe")}

@@ -17,8 +17,9 @@ are dropped unfed.
 Stashing is cheap because it does not copy: the forward writes its captured layers into one [N, m, d] tensor,
 and a step whose rows are all committed — a prefill, or a step that verified no drafts, i.e. every step while the
 drafter is skipped — is kept as views of that tensor; only a step with rejected drafts gathers its committed
-rows. The per-request copies this replaced cost 190 µs a step at C = 26 on the dev CPU, 0.5 % of a step the
-async scheduler pays under load and plain decoding does not (now 21 µs). A view keeps its whole step alive,
+rows. The per-request copies this replaced cost 181 µs a decode step at C = 32 on the dev CPU, 0.5 % of a step
+the async scheduler pays under load and plain decoding does not; now 19 µs (scripts/feed_cost.py,
+results/feed-cost-s23). A view keeps its whole step alive,
 rows of finished requests included, so a request's chunks are copied into one after ``compact_every`` (64)
 steps: what is held beyond the pending rows themselves is bounded by the last 64 steps' states.
 Feeding order and content are unchanged, so the drafter's context is the same as with eager feeding.
