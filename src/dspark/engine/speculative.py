@@ -164,10 +164,8 @@ class Generation:
         s = self.stats
         s.propose_s, s.forward_s, s.verify_s = s.propose_s + t1 - t0, s.forward_s + t2 - t1, s.verify_s + t3 - t2
         s.observe_s += time.perf_counter() - t3
-        self.stats.rounds += 1
-        self.stats.drafted += n
-        self.stats.accepted += accepted
-        self.stats.accepted_per_round.append(accepted)
+        s.rounds, s.drafted, s.accepted = s.rounds + 1, s.drafted + n, s.accepted + accepted
+        s.accepted_per_round.append(accepted)
         return result.emitted(drafts, 0)
 
     def _observe(self, request: DraftRequest, n_committed: int) -> None:
