@@ -102,9 +102,12 @@ def confidence_check(loop: ClosedLoop, seconds: float) -> None:
 def async_decisions(loop: ClosedLoop, seconds: float) -> None:
     engine, policy = loop.engine, loop.engine.policy
     steps, verified, accepted = collections.Counter(), collections.Counter(), collections.Counter()
+    timed = collections.defaultdict(list)  # kind -> (R, step s, drafter s) of its decode-only steps
+    ratios = []  # at each probe: Θ_K / Θ_0 of the best K the last pool priced
     t_end = time.time() + seconds
     while time.time() < t_end:
-        before = engine.stats.num_accepted_tokens
+        st = engine.stats
+        before = (st.num_accepted_tokens, st.steps, st.step_seconds_total, st.drafter_seconds_total)
         loop.tick()
         plan = engine.last_plan
         if plan is None or not plan.decoding:
@@ -112,14 +115,40 @@ def async_decisions(loop: ClosedLoop, seconds: float) -> None:
         k = policy.last_capacity
         kind = "probe / Algorithm 1" if k is None else "skipped" if k == 0 else f"K = {k}" if k < 4 else "K >= 4"
         steps[kind] += 1
+        if k is None and policy.last_ratio is not None:  # a probe: what the pool before it priced
+            ratios.append(policy.last_ratio)
         verified[kind] += int(plan.lengths.sum())
-        accepted[kind] += engine.stats.num_accepted_tokens - before
+        accepted[kind] += st.num_accepted_tokens - before[0]
+        if not plan.prefilling and st.steps > before[1]:
+            timed[kind].append((len(plan.decoding), st.step_seconds_total - before[2],
+                                st.drafter_seconds_total - before[3]))
     st = engine.stats
     for kind, n in steps.most_common():
         print(f"{kind:20s} {n:6d} steps ({100 * n / sum(steps.values()):5.1f} %), {verified[kind]:6d} drafts verified, "
               f"{accepted[kind]:5d} accepted ({100 * accepted[kind] / max(1, verified[kind]):.1f} %)")
     print(f"{st.generation_tokens / loop.clock:.1f} tok/s; accepted {st.num_accepted_tokens} of {st.num_draft_tokens} "
           f"verified drafts ({100 * st.num_accepted_tokens / max(1, st.num_draft_tokens):.1f} %)")
+    if ratios:
+        q = np.quantile(ratios, [0.1, 0.5, 0.9])
+        print(f"best K priced before a probe, over plain decoding: {len(ratios)} probes, 10 / 50 / 90 % "
+              f"{q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f}; below 0.85 {np.mean(np.array(ratios) < 0.85):.0%}")
+    step_costs(timed, st.step_seconds_total)
+
+
+def step_costs(timed: dict, total_s: float) -> None:
+    """Decode-only steps by kind against a skipped (plain) step with as many requests: what each kind costs."""
+    plain = collections.defaultdict(list)
+    for r, step_s, _ in timed.get("skipped", []):
+        plain[r].append(step_s)
+    plain_s = {r: float(np.median(v)) for r, v in plain.items() if len(v) >= 5}
+    print(f"decode-only steps (no prefill); extra = step - median skipped step at the same R, summed "
+          f"(share of all {total_s:.1f} s of step time)")
+    for kind, rows in sorted(timed.items()):
+        a = np.array(rows)
+        extra = [s - plain_s[int(r)] for r, s, _ in rows if int(r) in plain_s]
+        print(f"{kind:20s} n={len(rows):5d}  step {1e3 * np.median(a[:, 1]):6.1f} ms  drafter "
+              f"{1e3 * np.median(a[:, 2]):5.1f} ms  extra {1e3 * np.median(extra) if extra else float('nan'):6.1f} ms "
+              f"median, {sum(extra):6.2f} s in all ({100 * sum(extra) / total_s:.2f} %)")
 
 
 def profile_engine(loop: ClosedLoop, seconds: float) -> None:

@@ -286,7 +286,12 @@ RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0
          "no extra slot": dict(lean_depth=1, min_gain=0.0, max_age=4),
          "live step prices": dict(live=1, min_gain=0.0, max_age=4),
          "confirmed thin pool": dict(confirm=1, steady_run=4, probe_requests=1, probe_every=2, stay_gain=None,
-                                     min_gain=0.1, max_age=4)}
+                                     min_gain=0.1, max_age=4),
+         "far back-off": dict(probe_every=1, max_probe_every=2, far_probe_every=16, probe_requests=1, max_age=4),
+         "probes soon once the load halves": dict(probe_every=1, max_probe_every=2, far_probe_every=16,
+                                                  probe_requests=1, max_age=4)}
+# two requests (probes draft one: the far back-off applies only under such load), then one: the load halves
+GREEDY_RUNNING = {"far back-off": 2, "probes soon once the load halves": 2}
 
 
 def _verify_priced_profile(gamma: int):
@@ -309,9 +314,19 @@ def _staircase_profile(gamma: int):
                         draft_depth=gamma)
 
 
+def _dear_draft_profile(gamma: int):
+    from dspark.scheduling.profile import SpeedProfile
+
+    # Verification nearly free, drafting three plain steps: K > 0 is priced far below plain decoding (the far
+    # back-off), while a probe's Algorithm 1, whose drafting is already paid, still verifies.
+    return SpeedProfile((1, 64), (0.010, 0.011), (1, 16), (0.03, 0.03), shallow_draft_seconds=(0.03, 0.03),
+                        draft_depth=gamma)
+
+
 # The profile each rule fires under, and whether only at one request (the staircase's jumps fall there)
 PRICED_BY = {"early stop below K": (_verify_priced_profile, False), "no extra slot": (_staircase_profile, True),
-             "confirmed thin pool": (_depth_priced_profile, False)}
+             "confirmed thin pool": (_depth_priced_profile, False), "far back-off": (_dear_draft_profile, False),
+             "probes soon once the load halves": (_dear_draft_profile, False)}
 
 
 def _rules_engine(target, drafter, max_running: int, rule: str):
@@ -327,8 +342,12 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
     seen, prepare, select, probes = set(), policy.prepare, policy.select, [0]  # probes since the last drafting run
 
     def spy(n_requests):
-        confirmed = policy._confirmed
+        confirmed, far_load = policy._confirmed, policy._far_load
         drafts = prepare(n_requests)
+        if policy._interval > policy.max_probe_every:
+            seen.add("far back-off")  # probes rarer than max_probe_every allows
+        if far_load and not policy._far_load and policy.last_capacity == 0 and not policy._probing:
+            seen.add("probes soon once the load halves")  # the interval reset without a probe or a drafting run
         if policy._probing and policy._confirmed != confirmed:
             seen.add("confirmed thin pool")  # a probe run because the pool was thinner than the batch
         if policy.live is not None and policy.live.rebuilds and policy.last_capacity is not None:
@@ -375,7 +394,7 @@ def _capacity_priced_by(policy, profile, n_requests: int) -> int:
 def test_engine_greedy_with_async_low_load_rules_equals_plain(rule):
     target = tiny_target(seed=4, scale=6.0)
     drafter = tiny_drafter(target, head="markov", block=5)
-    engine, seen = _rules_engine(target, drafter, 1, rule)
+    engine, seen = _rules_engine(target, drafter, GREEDY_RUNNING.get(rule, 1), rule)
     reqs = assert_engine_greedy_equals_plain(engine, target)
     assert rule in seen and sum(r.accepted for r in reqs) > 0
 
@@ -391,8 +410,10 @@ def test_engine_seeded_sampling_with_async_low_load_rules(rule):
 
     def run(seed):
         engine, seen = _rules_engine(target, drafter, 2, rule)
-        reqs = [engine.add_request(p, SamplingParams(temperature=1.0, max_new_tokens=40, seed=seed + i,
-                                                     ignore_eos=True)) for i, p in enumerate([[3, 4, 5], [9, 2]])]
+        lengths = (40, 24) if rule == "probes soon once the load halves" else (40, 40)  # then the load halves
+        reqs = [engine.add_request(p, SamplingParams(temperature=1.0, max_new_tokens=n, seed=seed + i,
+                                                     ignore_eos=True))
+                for i, (p, n) in enumerate(zip([[3, 4, 5], [9, 2]], lengths))]
         while engine.has_unfinished():
             engine.step()
         return [r.output for r in reqs], seen

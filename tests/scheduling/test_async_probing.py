@@ -1,7 +1,9 @@
 """The async scheduler's probing under load, where a probe drafts fewer requests than the batch holds:
-``confirm`` (a promising pool thinner than the batch is re-probed before every request drafts) and ``steady_run``
-(a drafting run that ends at once keeps the backed-off probe interval). Both read only past decisions and old
-confidences; the engine-level exactness of every async variant is in tests/drafters/test_dspark_exactness.py."""
+``confirm`` (a promising pool thinner than the batch is re-probed before every request drafts), ``steady_run``
+(a drafting run that ends at once keeps the backed-off probe interval) and the far back-off (probes rarer than
+``max_probe_every`` while drafting is priced far from paying, soon again once the load halves). All read only
+past decisions, old confidences and request counts; the engine-level exactness of every async variant is in
+tests/drafters/test_dspark_exactness.py."""
 import numpy as np
 import pytest
 
@@ -82,9 +84,53 @@ def test_a_false_start_keeps_the_backed_off_probe_interval_with_steady_run():
     assert steady[:3] == [4, 12, 24] and len(steady) < len(probes())
 
 
+def _probe_steps(pol: AsyncPolicy, loads: list[int], confidence: float) -> list[int]:
+    """Steps that probed while the batch held loads[step] requests and every drafted slot showed `confidence`."""
+    probes = []
+    for step, n_requests in enumerate(loads):
+        if not pol.prepare(n_requests):
+            pol.select(None, n_requests=n_requests)
+            continue
+        n = pol.requests_to_draft(n_requests)
+        if pol.last_capacity is None and step >= 2:
+            probes.append(step)
+        c = np.zeros((n_requests, 3))
+        c[:n] = confidence
+        pol.select(c, drafted=list(range(n)) if n < n_requests else None)
+    return probes
+
+
+def _far_policy(far_probe_every: int = 32, priced_for: int = 3) -> AsyncPolicy:
+    return AsyncPolicy(_priced_for(priced_for), min_gain=0.1, pool_requests=1, probe_every=2, max_probe_every=8,
+                       far_probe_every=far_probe_every)
+
+
+def test_probes_back_off_past_the_cap_only_while_drafting_is_priced_far_from_paying():
+    """Three requests, probes of two. Slots at 0.05 price the best K at ~0.75 of plain decoding (far: the
+    interval doubles on to far_probe_every); at 0.25 at ~0.95 (near enough that the cap stays max_probe_every)."""
+    far = _probe_steps(_far_policy(), [3] * 200, 0.05)
+    # steps 0-1 draft (no history), 2-3 skip, 4 probes; then 4, 8, 16, 32, 32 skipped steps between probes
+    assert far[0] == 4 and np.diff(far).tolist()[:5] == [5, 9, 17, 33, 33]
+    near = _probe_steps(_far_policy(), [3] * 200, 0.25)
+    assert set(np.diff(near).tolist()[3:]) == {9}  # capped at 8 skipped steps
+    assert np.diff(_probe_steps(_far_policy(far_probe_every=8), [3] * 200, 0.05)).tolist() == np.diff(near).tolist()
+
+
+def test_probes_come_soon_again_once_the_load_halves_after_a_far_back_off():
+    """At four requests the far back-off reaches 32 skipped steps (probes at steps 35, 68, 101, ...); when the
+    batch falls to two at step 70 (half the four it held when the interval passed the cap) the next probe comes
+    after probe_every = 2 skipped steps, not at step 101. A dip to three does not bring it forward."""
+    halved = _probe_steps(_far_policy(priced_for=4), [4] * 70 + [2] * 40, 0.05)
+    assert [s for s in halved if s <= 70][-3:] == [18, 35, 68]
+    assert min(s for s in halved if s > 70) == 71  # 68 probed, 69-70 skipped: two in a row
+    dip = _probe_steps(_far_policy(priced_for=4), [4] * 70 + [3] * 40, 0.05)
+    assert min(s for s in dip if s > 70) == 101
+
+
 def test_probing_options_are_validated_and_reachable_by_name():
-    pol = make_policy("async:confirm=1:steady_run=4", sps=_priced_for(1))
-    assert pol.confirm is True and pol.steady_run == 4
-    for bad in ({"confirm": 2}, {"steady_run": 0}):
+    pol = make_policy("async:confirm=1:steady_run=4:far_loss=0.3:far_probe_every=128", sps=_priced_for(1))
+    assert pol.confirm is True and pol.steady_run == 4 and pol.far_loss == 0.3 and pol.far_probe_every == 128
+    for bad in ({"confirm": 2}, {"steady_run": 0}, {"far_loss": 0.0}, {"far_loss": 1.0},
+                {"far_probe_every": 32}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             AsyncPolicy(_priced_for(1), **bad)

@@ -94,6 +94,19 @@ class AsyncPolicy:
     keeps the backed-off interval, where by default every such run reset it and the probes never backed off
     (C = 4: 132 probes in 90 s, 74 with ``steady_run=4``). Both read only past decisions and old confidences.
 
+    Under a steady load where speculation is far from paying, probes at the 64-step cap were still the whole of
+    what async cost against plain decoding: at C = 8 on the dev AVX-512 CPU one probe in ~50 steps, each 7–8 ms
+    over a plain step (drafting two requests and feeding them their backlog), 0.4 % of all step time, with the
+    step-after-probe K >= 4 false starts another 0.1 % (``scripts/engine_step_times.py --async-decisions``). So a
+    probe of fewer requests than the batch holds, whose pool priced the best K more than ``far_loss`` (10 %, three
+    times the profile's pricing error) below plain decoding, lets the interval go on doubling up to
+    ``far_probe_every`` (default 256; at C = 8 the pools before probes priced 0.83–0.91): drafts would have
+    to become far more likely to be accepted before drafting paid at that load, and what makes it pay sooner,
+    the load falling, is watched instead — once the batch holds at most half the requests it held when the
+    interval passed ``max_probe_every``, the next probe comes after ``probe_every`` skipped steps. At loads a
+    probe drafts whole, where speculation pays most often, the cap stays. Both read only past prices and request
+    counts, so they stay lossless.
+
     With ``live`` the profile's prices follow the step times the engine reports through ``observe_step``
     (``live_profile.py``: plain, verify and drafting prices each corrected by the median measured / predicted
     ratio of their recent steps), for a machine whose speed drifts after the profile was measured.
@@ -108,7 +121,7 @@ class AsyncPolicy:
                  min_gain: float = 0.03, probe_requests: int = 2, stay_gain: float | None = 0.0,
                  reprobe_every: int | None = None, max_age: int | None = 16, near_loss: float = 0.05,
                  early_stop: bool = False, lean_depth: bool = False, live: bool = False, steady_run: int = 1,
-                 confirm: bool = False):
+                 confirm: bool = False, far_loss: float = 0.1, far_probe_every: int = 256):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -149,6 +162,11 @@ class AsyncPolicy:
         if confirm not in (0, 1):
             raise ValueError(f"confirm must be a bool (0 or 1), got {confirm!r}")
         self.confirm = bool(confirm)
+        if not 0.0 < far_loss < 1.0:
+            raise ValueError(f"far_loss must lie in (0, 1), got {far_loss}")
+        if far_probe_every < max_probe_every:
+            raise ValueError(f"need far_probe_every >= max_probe_every = {max_probe_every}, got {far_probe_every}")
+        self.far_loss, self.far_probe_every = far_loss, far_probe_every
         self.live = LiveProfile(sps) if live else None  # kept across reset(): it describes the machine
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
@@ -167,6 +185,7 @@ class AsyncPolicy:
         self._skipped = 0  # drafter-skipped steps in a row
         self._interval = self.probe_every  # skipped steps before the next probe
         self._run = 0  # K > 0 steps in a row
+        self._far_load = 0  # requests in the batch when the interval passed max_probe_every (0: it has not)
         self._confirmed: tuple = ()  # the thin pool the last confirming probe was run for
         self._planned = False
         self._probing = False  # this step is a probe (drafts only `probe_requests` requests)
@@ -174,6 +193,7 @@ class AsyncPolicy:
         self._memo: tuple = (None, 0, 1.0, True)
         self._grow = True  # draft the extra slot (see lean_depth)
         self.last_capacity: int | None = None  # K of the current/last step (None: Algorithm 1)
+        self.last_ratio: float | None = None  # Θ_K / Θ_0 of the best K its pool priced (None: no pool)
         if self.tracker is not None:
             self.tracker.reset()
 
@@ -200,7 +220,7 @@ class AsyncPolicy:
         pool_steps, c_old = self._old_confidences()
         ratio, confirm = 1.0, False
         if not c_old:
-            self.last_capacity = None
+            self.last_capacity, self.last_ratio = None, None
         else:
             key = (pool_steps, n_requests, None if self.tracker is None else self.tracker.ratio,
                    None if self.live is None else self.live.rebuilds)
@@ -215,6 +235,7 @@ class AsyncPolicy:
                         or could_grow(survivals, shapes, self.sps, n_requests, priced[0]))
                 self._memo = (key, *priced, grow)
             _, best, ratio, self._grow = self._memo
+            self.last_ratio = ratio
             margin = self.stay_gain if self.last_capacity else self.min_gain  # hysteresis: drafting keeps on
             starting = not self.last_capacity
             self.last_capacity = best if ratio > 1.0 + margin else 0
@@ -225,18 +246,32 @@ class AsyncPolicy:
         self._run = self._run + 1 if self.last_capacity else 0
         if self.last_capacity:  # when this run ends, look again soon if a probe is just a drafting step
             if n_requests <= self.probe_requests:
-                self._interval = self.reprobe_every
+                self._interval, self._far_load = self.reprobe_every, 0
             elif self._run >= self.steady_run:  # a false start keeps the backed-off interval
-                self._interval = self.probe_every
+                self._interval, self._far_load = self.probe_every, 0
         elif self.last_capacity == 0 and confirm:  # a promising thin pool: probe again before drafting for all
             self.last_capacity, self._probing = None, True
         elif self.last_capacity == 0 and self._skipped >= self._interval:
             self.last_capacity = None  # a probe: draft, verify by Algorithm 1, refresh the history
-            near = ratio >= 1.0 - self.near_loss and n_requests <= self.probe_requests
-            self._interval = self.reprobe_every if near else min(2 * self._interval, self.max_probe_every)
+            self._interval = self._next_interval(ratio, n_requests)
             self._probing = True
+        elif self.last_capacity == 0 and self._far_load and 2 * n_requests <= self._far_load:
+            self._interval, self._far_load = min(self._interval, self.probe_every), 0  # the load fell: look soon
         self._planned = True
         return self.last_capacity != 0
+
+    def _next_interval(self, ratio: float, n_requests: int) -> int:
+        """Skipped steps before the probe after this one: soon while drafting is near paying at a load a probe
+        drafts whole; doubling up to ``max_probe_every``, or ``far_probe_every`` while it is far from paying."""
+        if ratio >= 1.0 - self.near_loss and n_requests <= self.probe_requests:
+            return self.reprobe_every
+        far = ratio < 1.0 - self.far_loss and n_requests > self.probe_requests  # only thin probes, under load
+        interval = min(2 * self._interval, self.far_probe_every if far else self.max_probe_every)
+        if interval > self.max_probe_every and not self._far_load:
+            self._far_load = n_requests
+        elif interval <= self.max_probe_every:
+            self._far_load = 0
+        return interval
 
     def _thin(self, c_old, n_requests: int) -> bool:
         """Whether the pool holds fewer rows than the batch it prices (a probe's two rows for eight requests)."""
