@@ -146,8 +146,10 @@ def test_projection_benchmark_command_saves_the_rows_asked_for(monkeypatch, tmp_
 def test_packed_row_counts_are_bucketed_and_padding_changes_no_row():
     from dspark.models.layers import bucket_rows
 
-    assert [bucket_rows(r) for r in (1, 8, 9, 12, 13, 32, 33, 128, 129)] == [1, 8, 12, 12, 16, 32, 48, 128, 256]
-    assert len({bucket_rows(r) for r in range(1, 513)}) <= 32  # a bounded set of oneDNN primitives
+    assert [bucket_rows(r) for r in (1, 8, 9, 12, 13, 32, 33, 65, 129, 257, 513, 1025)] == \
+        [1, 8, 12, 12, 16, 32, 36, 72, 144, 288, 576, 1152]
+    assert len({bucket_rows(r) for r in range(1, 1025)}) <= 54  # a bounded set of oneDNN primitives
+    assert all(bucket_rows(r) - r < r / 8 for r in range(65, 4096))  # padding under 1/8 of the rows
     w = torch.randn(48, 40)
     proj = Projection(w, packed=True)
     for rows in (9, 10, 30):

@@ -424,8 +424,7 @@ def test_async_probe_drafts_few_requests_and_keeps_only_their_rows():
 
 def test_async_policy_backs_off_probing_while_speculation_does_not_pay():
     prof = SpeedProfile((1, 2, 8), (1.0, 1.0, 1.0), (1, 100), (0.5, 0.5))
-    # far_probe_every = max_probe_every: no far back-off (tests/scheduling/test_async_probing.py has it)
-    pol = AsyncPolicy(prof, probe_every=2, max_probe_every=8, pool_requests=1, far_probe_every=8)
+    pol = AsyncPolicy(prof, probe_every=2, max_probe_every=8, pool_requests=1)
     weak, drafted = np.full((1, 3), 0.1), []
     for step in range(60):
         if pol.prepare(1):
@@ -655,7 +654,7 @@ def test_async_policy_keeps_probing_near_the_threshold_when_a_probe_drafts_every
     def drafted(c, n_requests):
         # plain decoding of R requests at 1 step/s, any drafts at 1/1.4: K = R drafts are priced at 0.96 or 0.79
         sps = lambda b: np.where(np.asarray(b) > n_requests, 1 / 1.4, 1.0)  # noqa: E731
-        pol = AsyncPolicy(sps, min_gain=0.1, pool_requests=1, probe_every=2, max_probe_every=8, far_probe_every=8)
+        pol = AsyncPolicy(sps, min_gain=0.1, pool_requests=1, probe_every=2, max_probe_every=8)
         steps = []
         for step in range(30):
             if pol.prepare(n_requests):

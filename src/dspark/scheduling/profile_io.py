@@ -22,9 +22,10 @@ from ._jsonio import FileFormatError, check_header, read_json, write_json_atomic
 from .profile import ProfileKey, SpeedProfile
 
 FORMAT = "dspark.speed_profile"
-VERSION = 8  # 2: segment_seconds / tokens_per_segment; 3: shallow_draft_seconds / draft_depth; 4: the (R, k)
+VERSION = 9  # 2: segment_seconds / tokens_per_segment; 3: shallow_draft_seconds / draft_depth; 4: the (R, k)
 # grid; 5: drafting timed in the same rounds as the target's steps; 6: cheap steps sampled more, rounds shuffled;
-# 7: grid k = 1, 2, 3, 4, 5, 8; 8: oneDNN rows 9-32 padded to a multiple of 4, not 16 (older: re-measured)
+# 7: grid k = 1, 2, 3, 4, 5, 8; 8: oneDNN rows 9-32 padded to a multiple of 4, not 16; 9: rows past 32 padded by
+# under 1/8, not to a multiple of 16 or 128 (older: re-measured)
 
 
 class ProfileFormatError(FileFormatError):

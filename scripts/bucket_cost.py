@@ -1,0 +1,117 @@
+"""What padding rows to a oneDNN bucket costs: target steps under the session-23 buckets and the current ones.
+
+    .venv/bin/python scripts/bucket_cost.py --out results/buckets-s24
+    .venv/bin/python scripts/bucket_cost.py --steps 32x1,34x1 --prefills 140+8 --rounds 5
+
+The packed projections pad their rows up to `layers.bucket_rows` (a bounded set of shapes keeps oneDNN's
+primitive cache, and so resident memory, bounded). Until session 24 the buckets were 16 rows wide from 33 rows and
+128 wide from 129: a decode step of 32 requests with two drafts (34 rows) ran as 48 rows, and a prefill step of a
+140-token prompt as 256. This times the same forwards under both rules, interleaved in shuffled rounds (the
+machine's drifting speed hits both alike): verify steps of R requests with k tokens each (`RxK`) and prefill
+steps of one P-token prompt chunk beside R one-token rows (`P+R`), as the engine fuses them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark.engine.profiling import CONTEXT, _step_fn, _warm_caches
+from dspark.models import layers, load_model
+from dspark.models.transformer import Segment
+
+STEPS = "16x1,32x1,30x1+2x3,34x1,40x1,52x1,16x3"
+PREFILLS = "140+8,200+8,300+16,420+4,500+32"
+
+
+def coarse_buckets(rows: int) -> int:
+    """The rule before session 24: 4 wide up to 32 rows, 16 up to 128, then 128."""
+    if rows <= 8:
+        return rows
+    step = 4 if rows <= 32 else 16 if rows <= 128 else 128
+    return -(-rows // step) * step
+
+
+def _parts(spec: str) -> list[int]:
+    """'30x1+2x3' -> [1] * 30 + [3] * 2: tokens each request verifies."""
+    parts = []
+    for term in spec.split("+"):
+        r, k = (int(x) for x in term.split("x"))
+        parts += [k] * r
+    return parts
+
+
+def _prefill_fn(model, caches):
+    """run(P, R): one forward of a P-token prompt chunk (fresh cache) beside R requests decoding one token."""
+    fresh = model.new_cache(1024)
+
+    def run(prompt: int, n_requests: int) -> None:
+        used = caches(n_requests)
+        segments = [Segment(fresh, 0, prompt)] + [Segment(c, CONTEXT, 1) for c in used]
+        model.forward(torch.zeros(prompt + n_requests, dtype=torch.long), segments,
+                      logit_rows=torch.arange(prompt - 1, prompt + n_requests))
+        fresh.truncate(0)
+        for c in used:
+            c.truncate(CONTEXT)
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--steps", default=STEPS, help="verify steps: RxK terms joined by '+', comma-separated")
+    ap.add_argument("--prefills", default=PREFILLS, help="prefill steps: P+R pairs, comma-separated")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--out", default=None, help="directory for buckets.json and buckets.md")
+    args = ap.parse_args()
+    model = load_model(args.model).model
+    caches = _warm_caches(model)
+    step, prefill = _step_fn(model, caches), _prefill_fn(model, caches)
+    jobs = {f"step {s}": (lambda p=_parts(s): step(p), sum(_parts(s))) for s in args.steps.split(",") if s}
+    for spec in (s for s in args.prefills.split(",") if s):
+        p, r = (int(x) for x in spec.split("+"))
+        jobs[f"prefill {spec}"] = (lambda p=p, r=r: prefill(p, r), p + r)
+    rules = {"coarse": coarse_buckets, "current": layers.bucket_rows}
+    cells = [(name, rule) for name in jobs for rule in rules]
+    times: dict[tuple[str, str], list[float]] = {c: [] for c in cells}
+    rng = random.Random(0)
+    try:
+        for i in range(args.rounds + 1):  # round 0 warms every shape up and is not recorded
+            for name, rule in rng.sample(cells, len(cells)):
+                layers.bucket_rows = rules[rule]
+                t0 = time.perf_counter()
+                jobs[name][0]()
+                if i:
+                    times[(name, rule)].append(time.perf_counter() - t0)
+    finally:
+        layers.bucket_rows = rules["current"]
+    rows = []
+    for name, (_, n) in jobs.items():
+        old, new = (float(np.median(times[(name, r)])) for r in rules)
+        rows.append({"shape": name, "rows": n, "coarse_rows": coarse_buckets(n), "current_rows": rules["current"](n),
+                     "coarse_ms": round(old * 1e3, 2), "current_ms": round(new * 1e3, 2), "ratio": round(new / old, 3)})
+    header = ("| shape | rows | padded (coarse → current) | coarse ms | current ms | current / coarse |\n"
+              "|---|---|---|---|---|---|\n")
+    table = header + "".join(f"| {r['shape']} | {r['rows']} | {r['coarse_rows']} → {r['current_rows']} | "
+                             f"{r['coarse_ms']:.1f} | {r['current_ms']:.1f} | {r['ratio']:.3f} |\n" for r in rows)
+    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads"
+    print(f"medians of {args.rounds} shuffled rounds, {args.model}, {machine}\n\n{table}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"model": args.model, "rounds": args.rounds, "machine": machine, "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d %H:%M")}
+        (out / "buckets.json").write_text(json.dumps({"settings": meta, "results": rows}, indent=1))
+        (out / "buckets.md").write_text(f"# Row buckets: coarse (before session 24) vs current\n\n"
+                                        f"{json.dumps(meta)}\n\n{table}")
+
+
+if __name__ == "__main__":
+    main()
