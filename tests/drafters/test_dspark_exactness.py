@@ -287,11 +287,16 @@ RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0
          "live step prices": dict(live=1, min_gain=0.0, max_age=4),
          "confirmed thin pool": dict(confirm=1, steady_run=4, probe_requests=1, probe_every=2, stay_gain=None,
                                      min_gain=0.1, max_age=4),
-         "far back-off": dict(probe_every=1, max_probe_every=2, far_probe_every=16, probe_requests=1, max_age=4),
+         # min_gain 0.5: drafting never starts off a pool, so only probes draft and the load's fall does not
+         # start a drafting run before it can bring the next probe forward
+         "far back-off": dict(probe_every=1, max_probe_every=2, far_probe_every=16, probe_requests=1,
+                              min_gain=0.5, max_age=4),
          "probes soon once the load halves": dict(probe_every=1, max_probe_every=2, far_probe_every=16,
-                                                  probe_requests=1, max_age=4)}
-# two requests (probes draft one: the far back-off applies only under such load), then one: the load halves
+                                                  probe_requests=1, min_gain=0.5, max_age=4)}
+# Requests in the batch where two rules need load: probes draft one request and the far back-off applies only
+# above that, and the load must then halve. At T = 1 requests live three steps, so three run at once there.
 GREEDY_RUNNING = {"far back-off": 2, "probes soon once the load halves": 2}
+T1_RUNNING = {"far back-off": 3, "probes soon once the load halves": 3}
 
 
 def _verify_priced_profile(gamma: int):
@@ -317,9 +322,9 @@ def _staircase_profile(gamma: int):
 def _dear_draft_profile(gamma: int):
     from dspark.scheduling.profile import SpeedProfile
 
-    # Verification nearly free, drafting three plain steps: K > 0 is priced far below plain decoding (the far
-    # back-off), while a probe's Algorithm 1, whose drafting is already paid, still verifies.
-    return SpeedProfile((1, 64), (0.010, 0.011), (1, 16), (0.03, 0.03), shallow_draft_seconds=(0.03, 0.03),
+    # Verification nearly free, drafting ten plain steps: K > 0 is priced far below plain decoding however
+    # confident the drafts (the far back-off), while a probe's Algorithm 1, its drafting paid, still verifies.
+    return SpeedProfile((1, 64), (0.010, 0.011), (1, 16), (0.1, 0.1), shallow_draft_seconds=(0.1, 0.1),
                         draft_depth=gamma)
 
 
@@ -427,7 +432,7 @@ def test_engine_seeded_sampling_with_async_low_load_rules(rule):
 def test_t1_output_distribution_with_async_low_load_rules(rule):
     target = tiny_target(vocab=V, hidden=32, layers=2, seed=11, scale=3.0)
     drafter = tiny_drafter(target, head="markov", rank=6, block=5, head_scale=1.0)
-    engine, seen = _rules_engine(target, drafter, 2, rule)
+    engine, seen = _rules_engine(target, drafter, T1_RUNNING.get(rule, 2), rule)
     n = 4000
     reqs = [engine.add_request(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=FIRST, seed=i, ignore_eos=True))
             for i in range(n)]

@@ -94,18 +94,18 @@ class AsyncPolicy:
     keeps the backed-off interval, where by default every such run reset it and the probes never backed off
     (C = 4: 132 probes in 90 s, 74 with ``steady_run=4``). Both read only past decisions and old confidences.
 
-    Under a steady load where speculation is far from paying, probes at the 64-step cap were still the whole of
-    what async cost against plain decoding: at C = 8 on the dev AVX-512 CPU one probe in ~50 steps, each 7–8 ms
-    over a plain step (drafting two requests and feeding them their backlog), 0.4 % of all step time, with the
-    step-after-probe K >= 4 false starts another 0.1 % (``scripts/engine_step_times.py --async-decisions``). So a
-    probe of fewer requests than the batch holds, whose pool priced the best K more than ``far_loss`` (10 %, three
-    times the profile's pricing error) below plain decoding, lets the interval go on doubling up to
-    ``far_probe_every`` (default 256; at C = 8 the pools before probes priced 0.83–0.91): drafts would have
-    to become far more likely to be accepted before drafting paid at that load, and what makes it pay sooner,
-    the load falling, is watched instead — once the batch holds at most half the requests it held when the
-    interval passed ``max_probe_every``, the next probe comes after ``probe_every`` skipped steps. At loads a
-    probe drafts whole, where speculation pays most often, the cap stays. Both read only past prices and request
-    counts, so they stay lossless.
+    With ``far_probe_every`` above ``max_probe_every`` (say 256) probes back off further under a steady load
+    where speculation is far from paying: a probe of fewer requests than the batch holds, whose pool priced the
+    best K more than ``far_loss`` (10 %, three times the profile's pricing error) below plain decoding, lets the
+    interval go on doubling up to ``far_probe_every``, and what would make drafting pay sooner, the load
+    falling, is watched instead: once the batch holds at most half the requests it held when the interval passed
+    ``max_probe_every``, the next probe comes after ``probe_every`` skipped steps. At C = 8 on the dev AVX-512
+    CPU, probes at the 64-step cap came once in ~50 steps, each 7–8 ms over a plain step (two requests drafted
+    and fed their backlog), 0.2–0.4 % of all step time; the pools before them priced 0.83–0.91 of plain decoding
+    (``scripts/engine_step_times.py --async-decisions``). With ``far_probe_every=256`` probes at C = 16 fell
+    from 29 to 12 in 90 s, but throughput did not move measurably (results/serving-s24-far: 1.006 / 1.002 /
+    0.998 / 1.001 for the default over it at C = 4 / 8 / 16 / 32), so it is not the default. Both rules read
+    only past prices and request counts, so they stay lossless.
 
     With ``live`` the profile's prices follow the step times the engine reports through ``observe_step``
     (``live_profile.py``: plain, verify and drafting prices each corrected by the median measured / predicted
@@ -121,7 +121,7 @@ class AsyncPolicy:
                  min_gain: float = 0.03, probe_requests: int = 2, stay_gain: float | None = 0.0,
                  reprobe_every: int | None = None, max_age: int | None = 16, near_loss: float = 0.05,
                  early_stop: bool = False, lean_depth: bool = False, live: bool = False, steady_run: int = 1,
-                 confirm: bool = False, far_loss: float = 0.1, far_probe_every: int = 256):
+                 confirm: bool = False, far_loss: float = 0.1, far_probe_every: int | None = None):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -164,6 +164,7 @@ class AsyncPolicy:
         self.confirm = bool(confirm)
         if not 0.0 < far_loss < 1.0:
             raise ValueError(f"far_loss must lie in (0, 1), got {far_loss}")
+        far_probe_every = max_probe_every if far_probe_every is None else far_probe_every  # None: no far back-off
         if far_probe_every < max_probe_every:
             raise ValueError(f"need far_probe_every >= max_probe_every = {max_probe_every}, got {far_probe_every}")
         self.far_loss, self.far_probe_every = far_loss, far_probe_every
