@@ -100,12 +100,12 @@ class AsyncPolicy:
     interval go on doubling up to ``far_probe_every``, and what would make drafting pay sooner, the load
     falling, is watched instead: once the batch holds at most half the requests it held when the interval passed
     ``max_probe_every``, the next probe comes after ``probe_every`` skipped steps. At C = 8 on the dev AVX-512
-    CPU, probes at the 64-step cap came once in ~50 steps, each 7–8 ms over a plain step (two requests drafted
-    and fed their backlog), 0.2–0.4 % of all step time; the pools before them priced 0.83–0.91 of plain decoding
-    (``scripts/engine_step_times.py --async-decisions``). With ``far_probe_every=256`` probes at C = 16 fell
-    from 29 to 12 in 90 s, but throughput did not move measurably (results/serving-s24-far: 1.006 / 1.002 /
-    0.998 / 1.001 for the default over it at C = 4 / 8 / 16 / 32), so it is not the default. Both rules read
-    only past prices and request counts, so they stay lossless.
+    CPU, probes at the 64-step cap came once in ~50 steps, each 7.3 ms over a plain step (two requests drafted
+    and fed their backlog), 0.4 % of all step time; at C = 16 the pools before them priced 0.82–0.85 of plain
+    decoding (``scripts/engine_step_times.py --async-decisions``, results/decisions-s24). With
+    ``far_probe_every=256`` probes at C = 16 fell from 31 to 12 in 90 s, but throughput did not move measurably
+    (results/serving-s24-far: 1.006 / 1.002 / 0.998 / 1.001 for the 64-step cap over it at C = 4 / 8 / 16 /
+    32), so it is not the default. Both rules read only past prices and request counts, so they stay lossless.
 
     With ``live`` the profile's prices follow the step times the engine reports through ``observe_step``
     (``live_profile.py``: plain, verify and drafting prices each corrected by the median measured / predicted
