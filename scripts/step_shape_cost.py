@@ -6,7 +6,7 @@ The speed profile's grid measures a few (R, k) cells and interpolates linearly b
 median and quartiles of each shape asked for, so a cell the grid skips can be checked against its neighbours.
 On the dev CPU the price is a staircase in B = R·k where the kernel changes: until session 20, 1-2 rows went
 through our C kernel (models/native.py), 3-8 through oneDNN at about the same cost as each other; rows past the
-C kernel's limit are padded to a bucket (layers.bucket_rows: a multiple of 4 up to 32).
+C kernel's limit are padded to a bucket (layers.bucket_rows: a multiple of 4 up to 64 rows).
 With --max-rows, every shape is timed under each limit on the rows our C kernel serves (models/kernel_choice.py;
 by default the limit measured for this machine), the settings interleaved inside each round so that the VM's
 drifting speed hits them alike.
