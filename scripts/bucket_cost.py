@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dspark.bench.common import machine_info
 from dspark.engine.profiling import CONTEXT, _step_fn, _warm_caches
 from dspark.models import layers, load_model
 from dspark.models.transformer import Segment
@@ -155,13 +155,11 @@ def main() -> None:
               "|---|---|---|---|---|---|\n")
     table = header + "".join(f"| {r['shape']} | {r['rows']} | {r['coarse_rows']} → {r['current_rows']} | "
                              f"{r['coarse_ms']:.1f} | {r['current_ms']:.1f} | {r['ratio']:.3f} |\n" for r in rows)
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads"
-    print(f"medians of {args.rounds} shuffled rounds, {args.model}, {machine}\n\n{table}")
+    meta = {"model": args.model, "rounds": args.rounds, **machine_info()}
+    print(f"medians of {args.rounds} shuffled rounds: {json.dumps(meta)}\n\n{table}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        meta = {"model": args.model, "rounds": args.rounds, "machine": machine, "torch": torch.__version__,
-                "date": time.strftime("%Y-%m-%d %H:%M")}
         (out / "buckets.json").write_text(json.dumps({"settings": meta, "results": rows}, indent=1))
         (out / "buckets.md").write_text(f"# Row buckets: coarse (before session 24) vs current\n\n"
                                         f"{json.dumps(meta)}\n\n{table}")
