@@ -293,10 +293,11 @@ RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0
                               min_gain=0.5, max_age=4),
          "probes soon once the load halves": dict(probe_every=1, max_probe_every=2, far_probe_every=16,
                                                   probe_requests=1, min_gain=0.5, max_age=4)}
-# Requests in the batch where two rules need load: probes draft one request and the far back-off applies only
-# above that, and the load must then halve. At T = 1 requests live three steps, so three run at once there.
-GREEDY_RUNNING = {"far back-off": 2, "probes soon once the load halves": 2}
-T1_RUNNING = {"far back-off": 3, "probes soon once the load halves": 3}
+# Requests each test runs at once where a rule needs load: these rules fire only while a probe (of one request)
+# drafts part of the batch, and the far back-off's load must then halve; at T = 1 requests live three steps.
+RUNNING = {"greedy": {"confirmed thin pool": 3, "far back-off": 2, "probes soon once the load halves": 2},
+           "seeded": {"confirmed thin pool": 3},
+           "t1": {"confirmed thin pool": 3, "far back-off": 3, "probes soon once the load halves": 3}}
 
 
 def _verify_priced_profile(gamma: int):
@@ -342,7 +343,7 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
     if rule in PRICED_BY:  # rules that read the confidences: a random head's are all ~0.5, so spread them
         with torch.no_grad():
             drafter.model.confidence.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
-    max_running = 1 if solo else max(max_running, 3 if rule == "confirmed thin pool" else 1)  # probes of one
+    max_running = 1 if solo else max_running
     policy = make_policy("async", sps=priced(drafter.gamma), **RULES[rule])
     seen, prepare, select, probes = set(), policy.prepare, policy.select, [0]  # probes since the last drafting run
 
@@ -399,7 +400,7 @@ def _capacity_priced_by(policy, profile, n_requests: int) -> int:
 def test_engine_greedy_with_async_low_load_rules_equals_plain(rule):
     target = tiny_target(seed=4, scale=6.0)
     drafter = tiny_drafter(target, head="markov", block=5)
-    engine, seen = _rules_engine(target, drafter, GREEDY_RUNNING.get(rule, 1), rule)
+    engine, seen = _rules_engine(target, drafter, RUNNING["greedy"].get(rule, 1), rule)
     reqs = assert_engine_greedy_equals_plain(engine, target)
     assert rule in seen and sum(r.accepted for r in reqs) > 0
 
@@ -414,7 +415,7 @@ def test_engine_seeded_sampling_with_async_low_load_rules(rule):
         drafter = tiny_drafter(target, head="markov", block=4)
 
     def run(seed):
-        engine, seen = _rules_engine(target, drafter, 2, rule)
+        engine, seen = _rules_engine(target, drafter, RUNNING["seeded"].get(rule, 2), rule)
         lengths = (40, 24) if rule == "probes soon once the load halves" else (40, 40)  # then the load halves
         reqs = [engine.add_request(p, SamplingParams(temperature=1.0, max_new_tokens=n, seed=seed + i,
                                                      ignore_eos=True))
@@ -432,7 +433,7 @@ def test_engine_seeded_sampling_with_async_low_load_rules(rule):
 def test_t1_output_distribution_with_async_low_load_rules(rule):
     target = tiny_target(vocab=V, hidden=32, layers=2, seed=11, scale=3.0)
     drafter = tiny_drafter(target, head="markov", rank=6, block=5, head_scale=1.0)
-    engine, seen = _rules_engine(target, drafter, T1_RUNNING.get(rule, 2), rule)
+    engine, seen = _rules_engine(target, drafter, RUNNING["t1"].get(rule, 2), rule)
     n = 4000
     reqs = [engine.add_request(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=FIRST, seed=i, ignore_eos=True))
             for i in range(n)]

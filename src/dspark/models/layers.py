@@ -165,6 +165,6 @@ def bucket_rows(rows: int) -> int:
     `scripts/bucket_cost.py --rss`)."""
     if rows <= 8:
         return rows
-    step = 4 if rows <= 64 else 8 if rows <= 128 else 16 if rows <= 256 else 32 if rows <= 512 else 64 \
-        if rows <= 1024 else 128
+    step = (4 if rows <= 64 else 8 if rows <= 128 else 16 if rows <= 256 else 32 if rows <= 512
+            else 64 if rows <= 1024 else 128)
     return -(-rows // step) * step

@@ -268,10 +268,7 @@ class AsyncPolicy:
             return self.reprobe_every
         far = ratio < 1.0 - self.far_loss and n_requests > self.probe_requests  # only thin probes, under load
         interval = min(2 * self._interval, self.far_probe_every if far else self.max_probe_every)
-        if interval > self.max_probe_every and not self._far_load:
-            self._far_load = n_requests
-        elif interval <= self.max_probe_every:
-            self._far_load = 0
+        self._far_load = (self._far_load or n_requests) if interval > self.max_probe_every else 0
         return interval
 
     def _thin(self, c_old, n_requests: int) -> bool:
