@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from dspark.bench.common import machine_info
-from dspark.engine.profiling import CONTEXT, _step_fn, _warm_caches
+from dspark.engine.profiling import _step_fn, _warm_caches, prefill_step_fn
 from dspark.models import layers, load_model
 from dspark.models.transformer import Segment
 
@@ -50,22 +50,6 @@ def _parts(spec: str) -> list[int]:
         r, k = (int(x) for x in term.split("x"))
         parts += [k] * r
     return parts
-
-
-def _prefill_fn(model, caches):
-    """run(P, R): one forward of a P-token prompt chunk (fresh cache) beside R requests decoding one token."""
-    fresh = model.new_cache(1024)
-
-    def run(prompt: int, n_requests: int) -> None:
-        used = caches(n_requests)
-        segments = [Segment(fresh, 0, prompt)] + [Segment(c, CONTEXT, 1) for c in used]
-        model.forward(torch.zeros(prompt + n_requests, dtype=torch.long), segments,
-                      logit_rows=torch.arange(prompt - 1, prompt + n_requests))
-        fresh.truncate(0)
-        for c in used:
-            c.truncate(CONTEXT)
-
-    return run
 
 
 def _rss_mb() -> float:
@@ -127,7 +111,7 @@ def main() -> None:
         return
     model = load_model(args.model).model
     caches = _warm_caches(model)
-    step, prefill = _step_fn(model, caches), _prefill_fn(model, caches)
+    step, prefill = _step_fn(model, caches), prefill_step_fn(model, caches)
     jobs = {f"step {s}": (lambda p=_parts(s): step(p), sum(_parts(s))) for s in args.steps.split(",") if s}
     for spec in (s for s in args.prefills.split(",") if s):
         p, r = (int(x) for x in spec.split("+"))

@@ -110,7 +110,7 @@ def run(cfg: ServeBenchConfig) -> dict:
                                                          if k.startswith("live_")), flush=True)
     cells = median_cells(runs)
     if cfg.traces is not None:
-        simulated(cfg, loaded, drafter, cells, prompt_tokens=round(sum(map(len, prompts)) / len(prompts)))
+        simulated(cfg, loaded, drafter, cells, prompt_mix=tuple(map(len, prompts)))
     matched = per_user_at_matched_throughput(cells) if "mtp1" in cfg.policies else []
     paired = paired_ratios(runs) if "async" in cfg.policies else []
     variants = {v: paired_ratios(runs, v) for v in cfg.policies if is_async_variant(v)}  # paired columns
@@ -184,11 +184,11 @@ def measure(engines: dict[str, Engine], prompts, concurrency: int, params: Sampl
     return list(zip(engines, run_loops(loops, seconds, cfg.warmup_s)))
 
 
-def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_tokens: int) -> None:
+def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_mix: tuple[int, ...]) -> None:
     """Add the serving simulator's prediction to every measured cell: the same policies (built the same way,
     over the same cached speed profile, with this drafter's measured drafting cost), closed-loop clients at the
-    same concurrency and output length, each new request prefilling `prompt_tokens` (the benchmark prompts'
-    mean) in the shared forward, rounds replayed from `cfg.traces` (recorded with this drafter)."""
+    same concurrency and output length, new requests prefilling the benchmark's prompt lengths in turn
+    (`prompt_mix`) in the shared forward, rounds replayed from `cfg.traces` (recorded with this drafter)."""
     from ..engine.profiling import load_or_profile, profile_key
     from ..scheduling.simulator import ClosedLoop, simulate
     from ..scheduling.traces import AcceptanceTraces
@@ -199,7 +199,7 @@ def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_
     profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id, loaded.model), drafter=drafter)
     for cell in cells:
         policy = build_policy(cell["policy"], drafter, cfg.model, cfg.dtype, loaded.model, cfg.gamma)
-        loop = ClosedLoop(cell["concurrency"], cfg.max_new_tokens, prompt_tokens=prompt_tokens)
+        loop = ClosedLoop(cell["concurrency"], cfg.max_new_tokens, prompt_mix=prompt_mix)
         r = simulate(profile, traces, policy, loop, seed=0, prefill_chunk=EngineConfig().prefill_chunk)
         cell.update(sim_throughput_tok_s=r.throughput_tps, sim_per_user_tok_s=r.per_user_tps,
                     sim_mean_budget=r.mean_budget, sim_tau=r.tau)

@@ -27,6 +27,11 @@ TOKENS_PER_REQUEST = 4  # a typical steady-state request verifies its anchor plu
 # (layers.bucket_rows; scripts/step_shape_cost.py). With only k = 1, 2, 4, 8 a 3-token R = 1 step was priced
 # 6 % under its cost, and the async scheduler verified 2 drafts where 1 paid.
 GRID_TOKENS = (1, 2, 3, 4, 5, 8)
+# The prefill table: a new request's prompt chunk of P tokens beside R requests decoding (0: alone). A prompt's
+# extra time is nearly the same at every load from 1 to 32 requests (within ~10 % from 64 tokens:
+# scripts/prefill_cost.py), so three loads suffice.
+PREFILL_REQUESTS = (0, 8, 32)
+PREFILL_TOKENS = (16, 32, 64, 128, 256, 512)
 MIN_JOB_SECONDS = 0.1  # steps cheaper than this get up to 4 samples per round (the low-load ones that decide)
 log = logging.getLogger("dspark")
 
@@ -82,6 +87,29 @@ def grid_step_fn(model: Transformer, caches=None):
     """grid_fn(R, k): one forward of R requests verifying k tokens each."""
     run = _step_fn(model, caches or _warm_caches(model))
     return lambda r, k: run([k] * r)
+
+
+def prefill_step_fn(model: Transformer, caches=None, longest: int = 1024):
+    """run(P, R): one forward of a P-token prompt chunk (a fresh cache) beside R requests decoding one token each,
+    as the engine fuses a new request's prefill into a decoding step (R = 0: the prompt alone)."""
+    caches = caches or _warm_caches(model)
+    fresh = model.new_cache(longest)
+
+    def run(prompt: int, n_requests: int) -> None:
+        used = caches(n_requests)
+        segments = [Segment(fresh, 0, prompt)] + [Segment(c, CONTEXT, 1) for c in used]
+        model.forward(torch.zeros(prompt + n_requests, dtype=torch.long), segments,
+                      logit_rows=torch.arange(prompt - 1, prompt + n_requests))
+        fresh.truncate(0)
+        for c in used:
+            c.truncate(CONTEXT)
+
+    return run
+
+
+def _by_load(run):
+    """prefill_fn(R, P) for measure_profile, from run(P, R)."""
+    return lambda n_requests, prompt: run(prompt, n_requests)
 
 
 def drafter_step_fn(model: Transformer, drafter, depth: int | None = None):
@@ -147,6 +175,9 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
                                one_segment_fn=target_step_fn(model, one_segment=True, caches=caches),
                                tokens_per_segment=TOKENS_PER_REQUEST, grid_fn=grid_step_fn(model, caches),
                                grid_requests=PROFILE_REQUESTS, grid_tokens=GRID_TOKENS,
+                               prefill_fn=_by_load(prefill_step_fn(model, caches)),
+                               prefill_requests=PREFILL_REQUESTS,
+                               prefill_tokens=[p for p in PREFILL_TOKENS if p <= model.config.max_position],
                                min_job_seconds=MIN_JOB_SECONDS, shuffle_seed=0, table_cell=table_cell, **extra)
 
     path = profile_path(key)

@@ -137,6 +137,11 @@ class SpeedProfile:
     grid_requests: tuple[int, ...] = ()  # [Gr]
     grid_tokens: tuple[int, ...] = ()  # [Gk]
     grid_seconds: tuple[tuple[float, ...], ...] = ()  # [Gr][Gk]
+    # Measured prompt cost: prefill_seconds[i][j] = one step carrying a fresh prefill_tokens[j]-token prompt chunk
+    # beside prefill_requests[i] requests decoding one token each (0: the prompt alone).
+    prefill_requests: tuple[int, ...] = ()  # [Pr]
+    prefill_tokens: tuple[int, ...] = ()  # [Pp]
+    prefill_seconds: tuple[tuple[float, ...], ...] = ()  # [Pr][Pp]
     # Cached numpy views, so sps() on a hot path does not rebuild arrays each call.
     _t: np.ndarray = field(init=False, repr=False, compare=False)
     _s: np.ndarray = field(init=False, repr=False, compare=False)
@@ -162,6 +167,7 @@ class SpeedProfile:
             raise ValueError(f"segment_seconds must be finite and >= 0 and tokens_per_segment >= 0, got "
                              f"{self.segment_seconds!r}, {self.tokens_per_segment!r}")
         self._check_grid()
+        self._check_prefill()
         object.__setattr__(self, "_t", np.asarray(self.tokens, dtype=np.float64))
         object.__setattr__(self, "_s", np.asarray(self.seconds, dtype=np.float64))
 
@@ -181,6 +187,33 @@ class SpeedProfile:
         for row in grid:
             _check_table(self.grid_tokens, row, "grid seconds")
 
+    def _check_prefill(self) -> None:
+        table = tuple(tuple(float(x) for x in row) for row in self.prefill_seconds)
+        object.__setattr__(self, "prefill_seconds", table)
+        object.__setattr__(self, "prefill_requests", tuple(int(r) for r in self.prefill_requests))
+        object.__setattr__(self, "prefill_tokens", tuple(int(p) for p in self.prefill_tokens))
+        if not (self.prefill_requests or self.prefill_tokens or table):
+            return
+        _check_table([r + 1 for r in self.prefill_requests], [1.0] * len(self.prefill_requests),
+                     "prefill requests (>= 0)")
+        _check_table(self.prefill_tokens, [1.0] * len(self.prefill_tokens), "prefill prompt tokens")
+        if len(table) != len(self.prefill_requests) or any(len(row) != len(self.prefill_tokens) for row in table):
+            raise ValueError(f"prefill_seconds must be {len(self.prefill_requests)} rows of "
+                             f"{len(self.prefill_tokens)} values")
+        for row in table:
+            _check_table(self.prefill_tokens, row, "prefill seconds")
+
+    def prefill_extra_s(self, prompt: int, n_requests: int) -> float:
+        """Seconds a ``prompt``-token chunk adds to a step of ``n_requests`` decoding requests (0: the chunk alone),
+        from the prefill table: linear in the prompt (time grows with the work), linear in the load between the
+        loads measured and flat beyond them."""
+        ps = np.asarray(self.prefill_tokens, dtype=np.float64)
+        extras = []
+        for r, row in zip(self.prefill_requests, self.prefill_seconds):
+            base = float(self.step_s(r, n_requests=r)) if r else 0.0
+            extras.append(_interp(prompt, ps, np.asarray(row) - base, self.extrapolate == "linear"))
+        return float(max(0.0, np.interp(n_requests, self.prefill_requests, extras)))
+
     def _grid_step_s(self, n_tokens, n_requests):
         rs, ks, s = self._grid  # [Gr], [Gk], [Gr, Gk]
         r = np.maximum(np.asarray(n_requests, dtype=np.float64), 1.0)
@@ -197,9 +230,18 @@ class SpeedProfile:
         t = np.maximum(t, s.min())  # never cheaper than the cheapest step measured
         return float(t) if np.ndim(t) == 0 else t
 
-    def step_s(self, n_tokens, n_requests=None):
+    def step_s(self, n_tokens, n_requests=None, prefill: Sequence[int] = ()):
         """Seconds of one verify step over B tokens (scalar or array [n]), shared by ``n_requests`` requests when
-        given (else by as many as the table was measured with); from the grid when there is one."""
+        given (else by as many as the table was measured with); from the grid when there is one. ``prefill``: the
+        prompt chunks of new requests riding in the same step (scalar B and R only), priced by the prefill table
+        when there is one, else as one more request of that many tokens each (on the dev CPU that priced a
+        128-token prompt beside 8 decoding requests 1.38x its cost: scripts/prefill_cost.py)."""
+        if len(prefill):
+            if not self.prefill_seconds:
+                return self.step_s(n_tokens + sum(prefill), n_requests=(n_requests or 0) + len(prefill))
+            decoding = int(n_requests if n_requests is not None else 0)
+            base = float(self.step_s(n_tokens, n_requests)) if decoding else 0.0
+            return base + sum(self.prefill_extra_s(p, decoding) for p in prefill)
         if n_requests is not None and self.grid_seconds:
             return self._grid_step_s(n_tokens, n_requests)
         t = _interp(n_tokens, self._t, self._s, self.extrapolate == "linear")
@@ -254,6 +296,9 @@ def measure_profile(
     grid_fn: Callable[[int, int], object] | None = None,
     grid_requests: Iterable[int] = (),
     grid_tokens: Iterable[int] = (),
+    prefill_fn: Callable[[int, int], object] | None = None,
+    prefill_requests: Iterable[int] = (),
+    prefill_tokens: Iterable[int] = (),
     key: ProfileKey | None = None,
     timer: Callable[[], float] = time.perf_counter,
     min_job_seconds: float = 0.0,
@@ -284,6 +329,9 @@ def measure_profile(
     With ``shuffle_seed`` each (sub-)round visits its jobs in a fresh seeded random order: a step's time may
     depend on the step before it (0.99-1.17x after a 32 x 8-token step, scripts/step_order_cost.py), and in a
     fixed order each job always follows the same neighbour, a bias no number of repeats would remove.
+    With ``prefill_fn(R, P)`` (a P-token prompt chunk beside R requests decoding one token each) every
+    ``prefill_requests`` × ``prefill_tokens`` pair is timed too, giving the prefill table ``step_s`` prices new
+    requests' prompts by.
     ``table_cell(B)`` names the grid cell (R, k) that runs the same step as ``step_fn(B)``, if any; such table
     points are read from the grid instead of being timed twice.
     """
@@ -315,6 +363,9 @@ def measure_profile(
     g_req = sorted({int(r) for r in grid_requests}) if grid_fn is not None else []
     g_tok = sorted({int(k) for k in grid_tokens}) if g_req else []
     grid_jobs = [(functools.partial(grid_fn, r), k) for r in g_req for k in g_tok]
+    p_req = sorted({int(r) for r in prefill_requests}) if prefill_fn is not None else []
+    p_tok = sorted({int(p) for p in prefill_tokens}) if p_req else []
+    prefill_jobs = [(functools.partial(prefill_fn, r), p) for r in p_req for p in p_tok]
     reqs: list[int] = sorted({int(r) for r in request_counts}) if draft_fn is not None else []
     shallow = shallow_draft_fn is not None and draft_fn is not None and draft_depth >= 2
     draft_jobs = [(draft_fn, r) for r in reqs] + ([(shallow_draft_fn, r) for r in reqs] if shallow else [])
@@ -327,10 +378,11 @@ def measure_profile(
     same = {b: cells.get(table_cell(b)) for b in tokens} if table_cell is not None else {}
     own = [b for b in tokens if same.get(b) is None]
     t = median_times([(step_fn, b) for b in own] + ([(one_segment_fn, tokens[-1])] if split_both else [])
-                     + grid_jobs + draft_jobs)
+                     + grid_jobs + prefill_jobs + draft_jobs)
     own_s, t = dict(zip(own, t[:len(own)])), t[len(own):]
     one_request, t = (t[0] if split_both else 0.0), t[int(split_both):]
     grid_flat, t = t[:len(grid_jobs)], t[len(grid_jobs):]
+    prefill_flat, t = t[:len(prefill_jobs)], t[len(prefill_jobs):]
     dsec, shallow_sec = t[:len(reqs)], t[len(reqs):]
     seconds = [own_s[b] if same.get(b) is None else grid_flat[same[b]] for b in tokens]
     grid = tuple(tuple(grid_flat[i * len(g_tok):(i + 1) * len(g_tok)]) for i in range(len(g_req)))
@@ -338,4 +390,7 @@ def measure_profile(
     return SpeedProfile(tuple(tokens), tuple(seconds), tuple(reqs), tuple(dsec), key=key, source="measured",
                         segment_seconds=seg_s, tokens_per_segment=tokens_per_segment if split_both else 0,
                         shallow_draft_seconds=tuple(shallow_sec), draft_depth=draft_depth if shallow else 0,
-                        grid_requests=tuple(g_req), grid_tokens=tuple(g_tok), grid_seconds=grid)
+                        grid_requests=tuple(g_req), grid_tokens=tuple(g_tok), grid_seconds=grid,
+                        prefill_requests=tuple(p_req), prefill_tokens=tuple(p_tok),
+                        prefill_seconds=tuple(tuple(prefill_flat[i * len(p_tok):(i + 1) * len(p_tok)])
+                                              for i in range(len(p_req))))

@@ -22,10 +22,10 @@ from ._jsonio import FileFormatError, check_header, read_json, write_json_atomic
 from .profile import ProfileKey, SpeedProfile
 
 FORMAT = "dspark.speed_profile"
-VERSION = 9  # 2: segment_seconds / tokens_per_segment; 3: shallow_draft_seconds / draft_depth; 4: the (R, k)
+VERSION = 10  # 2: segment_seconds / tokens_per_segment; 3: shallow_draft_seconds / draft_depth; 4: the (R, k)
 # grid; 5: drafting timed in the same rounds as the target's steps; 6: cheap steps sampled more, rounds shuffled;
 # 7: grid k = 1, 2, 3, 4, 5, 8; 8: oneDNN rows 9-32 padded to a multiple of 4, not 16; 9: rows past 32 padded by
-# under 1/8, not to a multiple of 16 or 128 (older: re-measured)
+# under 1/8, not to a multiple of 16 or 128; 10: the prefill table (older: re-measured)
 
 
 class ProfileFormatError(FileFormatError):
@@ -50,6 +50,9 @@ def profile_to_dict(p: SpeedProfile) -> dict:
         "grid_requests": list(p.grid_requests),
         "grid_tokens": list(p.grid_tokens),
         "grid_seconds": [list(row) for row in p.grid_seconds],
+        "prefill_requests": list(p.prefill_requests),
+        "prefill_tokens": list(p.prefill_tokens),
+        "prefill_seconds": [list(row) for row in p.prefill_seconds],
     }
 
 
@@ -72,6 +75,9 @@ def profile_from_dict(obj: dict, path: str | os.PathLike = "<dict>") -> SpeedPro
             grid_requests=tuple(obj.get("grid_requests", ())),
             grid_tokens=tuple(obj.get("grid_tokens", ())),
             grid_seconds=tuple(tuple(row) for row in obj.get("grid_seconds", ())),
+            prefill_requests=tuple(obj.get("prefill_requests", ())),
+            prefill_tokens=tuple(obj.get("prefill_tokens", ())),
+            prefill_seconds=tuple(tuple(row) for row in obj.get("prefill_seconds", ())),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ProfileFormatError(f"{path}: invalid speed profile: {e}") from e

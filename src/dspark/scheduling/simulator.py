@@ -55,6 +55,7 @@ class ClosedLoop:
     output_tokens: int = 256
     n_steps: int = 400
     prompt_tokens: int = 0  # prefilled by each replacement request (the initial C start mid-decode)
+    prompt_mix: tuple[int, ...] = ()  # prompt lengths the replacements take in turn (instead of prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,23 @@ class Poisson:
     n_requests: int = 200
     output_tokens: int = 256
     prompt_tokens: int = 0
+    prompt_mix: tuple[int, ...] = ()
+
+
+def _prompt_lengths(arrival: "Arrival"):
+    """next(n) -> the prompt lengths of the next n new requests: the mix in turn (a benchmark's clients take its
+    prompts in order), or ``prompt_tokens`` each."""
+    mix = np.asarray(arrival.prompt_mix or (arrival.prompt_tokens,), dtype=np.int64)
+    if mix.ndim != 1 or (mix < 0).any():
+        raise ValueError(f"prompt lengths must be integers >= 0, got {arrival.prompt_mix!r}")
+    state = {"i": 0}
+
+    def take(n: int) -> np.ndarray:
+        out = mix[(state["i"] + np.arange(n)) % mix.size]
+        state["i"] += n
+        return out
+
+    return take
 
 
 Arrival = Union[ClosedLoop, Poisson]
@@ -96,7 +114,7 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
     if isinstance(policy, AsyncPolicy):
         policy.reset()
     rng = np.random.default_rng(seed)
-    gamma, out_len, prompt = traces.gamma, arrival.output_tokens, arrival.prompt_tokens
+    gamma, out_len, prompts = traces.gamma, arrival.output_tokens, _prompt_lengths(arrival)
     closed = isinstance(arrival, ClosedLoop)
     if closed:
         # Start in steady state: staggered remaining lengths, otherwise all C requests finish in lockstep waves.
@@ -115,7 +133,7 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
         if not closed:
             n_new = int(np.searchsorted(arrivals, t, side="right")) - next_arrival
             remaining = np.concatenate([remaining, np.full(n_new, out_len, dtype=np.int64)])
-            prefill = np.concatenate([prefill, np.full(n_new, prompt, dtype=np.int64)])
+            prefill = np.concatenate([prefill, prompts(n_new)])
             next_arrival += n_new
             if remaining.size == 0:
                 if next_arrival >= arrivals.size:
@@ -151,9 +169,9 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
             sum_ell += int(ell.sum())
             sum_emit += int(emit[decoding].sum())
             request_steps += n_dec
-        segments = n_dec + int((take > 0).sum())  # each request in the step is an attention segment of its own
-        dt = float(profile.step_s(b, n_requests=segments)) + (float(profile.draft_s(n_drafted, depth)) if drafted
-                                                              else 0.0)
+        chunks = [int(x) for x in take[take > 0]]  # prompt chunks riding in this step, priced as prefill
+        dt = float(profile.step_s(b - sum(chunks), n_requests=n_dec, prefill=chunks)) + (
+            float(profile.draft_s(n_drafted, depth)) if drafted else 0.0)
         t += dt
         busy += remaining.size * dt
         steps += 1
@@ -165,7 +183,7 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
         done = remaining == 0
         completed += int(done.sum())
         if closed:
-            remaining[done], prefill[done] = out_len, prompt
+            remaining[done], prefill[done] = out_len, prompts(int(done.sum()))
         else:
             remaining, prefill = remaining[~done], prefill[~done]
     span = t - t0
