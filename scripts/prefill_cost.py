@@ -86,10 +86,10 @@ def main() -> None:
                          "priced_as_request_ms": round(old * 1e3, 2), "priced_prefill_table_ms": round(new * 1e3, 2)})
     table = ("| prompt P | decoding R | step ms | without the prompt ms | extra ms | priced as a request ms (/ "
              "measured) | priced by prefill table ms (/ measured) |\n|---|---|---|---|---|---|---|\n")
-    table += "".join(f"| {x['prompt']} | {x['requests']} | {x['step_ms']:.1f} | {x['decode_ms']:.1f} | "
-                     f"{x['extra_ms']:.1f} | {x['priced_as_request_ms']:.1f} ({x['priced_as_request_ms'] / x['step_ms']:.2f}) "
-                     f"| {x['priced_prefill_table_ms']:.1f} ({x['priced_prefill_table_ms'] / x['step_ms']:.2f}) |\n"
-                     for x in rows)
+    for x in rows:
+        old, new = x["priced_as_request_ms"], x["priced_prefill_table_ms"]
+        table += (f"| {x['prompt']} | {x['requests']} | {x['step_ms']:.1f} | {x['decode_ms']:.1f} | {x['extra_ms']:.1f} "
+                  f"| {old:.1f} ({old / x['step_ms']:.2f}) | {new:.1f} ({new / x['step_ms']:.2f}) |\n")
     meta = {"model": args.model, "profile": profile.source, "profile_key": profile.key.as_dict() if profile.key
             else None, "rounds": args.rounds, **machine_info()}
     print(f"medians of {args.rounds} shuffled rounds: {json.dumps(meta)}\n\n{table}")

@@ -1,4 +1,5 @@
 """`dspark calibrate` and `dspark bench acceptance` on a tiny random target (no SmolLM2, no ../shared)."""
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -162,7 +163,7 @@ def test_bench_serve_simulates_the_measured_cells(tiny, tmp_path, monkeypatch):
     cfg = ServeBenchConfig(model=str(root / "target"), drafter=str(paths["dspark"]), gamma=4, max_new_tokens=16,
                            traces=tmp_path / "traces.npz")
     cells = [{"policy": p, "concurrency": c} for p in ("none", "fixed-4", "async") for c in (1, 4)]
-    simulated(cfg, loaded, drafter, cells, prompt_tokens=0)
+    simulated(cfg, loaded, drafter, cells, prompt_mix=(0,))
     for cell in cells:
         assert cell["sim_throughput_tok_s"] > 0 and cell["sim_tau"] >= 1.0
     # The prompts' prefill reaches the simulator with the engine's chunk size (the profile measured here is noisy
@@ -171,14 +172,19 @@ def test_bench_serve_simulates_the_measured_cells(tiny, tmp_path, monkeypatch):
 
     seen, real = [], sim.simulate
     monkeypatch.setattr(sim, "simulate", lambda *a, **k: seen.append((a[3], k["prefill_chunk"])) or real(*a, **k))
-    simulated(cfg, loaded, drafter, cells, prompt_tokens=64)
-    assert len(seen) == len(cells) and all(loop.prompt_tokens == 64 and chunk == 512 for loop, chunk in seen)
+    cfg = dataclasses.replace(cfg, requests_per_client=3, length_spread=0.25)
+    simulated(cfg, loaded, drafter, cells, prompt_mix=(64, 40))
+    assert len(seen) == len(cells) and all(loop.prompt_mix == (64, 40) and chunk == 512 for loop, chunk in seen)
+    # the same cell as measured: as many requests per client from a cold start, the same spread of lengths
+    assert all(loop.requests_per_client == 3 and loop.output_spread == 0.25 for loop, _ in seen)
+    assert all(c["sim_throughput_tok_s"] > 0 for c in cells)
     assert all(c["sim_mean_budget"] == 0 for c in cells if c["policy"] == "none")
     assert all(c["sim_mean_budget"] == 4 for c in cells if c["policy"] == "fixed-4")
     cached = list((tmp_path / "cache" / "profiles").glob("*.json"))
-    assert len(cached) == 1 and json.loads(cached[0].read_text())["draft_requests"]  # drafting cost measured
+    profile = json.loads(cached[0].read_text())
+    assert len(cached) == 1 and profile["draft_requests"] and profile["prefill_seconds"]  # drafting, prompts priced
     with pytest.raises(ValueError, match="γ = 4"):
-        simulated(ServeBenchConfig(model=cfg.model, gamma=7, traces=cfg.traces), loaded, drafter, cells, 0)
+        simulated(ServeBenchConfig(model=cfg.model, gamma=7, traces=cfg.traces), loaded, drafter, cells, (0,))
 
 
 def test_per_user_speed_at_matched_throughput_hand_worked():

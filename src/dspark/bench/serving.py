@@ -187,8 +187,10 @@ def measure(engines: dict[str, Engine], prompts, concurrency: int, params: Sampl
 def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_mix: tuple[int, ...]) -> None:
     """Add the serving simulator's prediction to every measured cell: the same policies (built the same way,
     over the same cached speed profile, with this drafter's measured drafting cost), closed-loop clients at the
-    same concurrency and output length, new requests prefilling the benchmark's prompt lengths in turn
-    (`prompt_mix`) in the shared forward, rounds replayed from `cfg.traces` (recorded with this drafter)."""
+    same concurrency and output lengths (the same spread; with `requests_per_client`, as many requests from a cold
+    start, drain included), new requests prefilling the benchmark's prompt lengths in turn (`prompt_mix`, rotated
+    per repeat as `rotated` does the prompts) in the shared forward, rounds replayed from `cfg.traces` (recorded
+    with this drafter); medians over the repeats, as the measured cells."""
     from ..engine.profiling import load_or_profile, profile_key
     from ..scheduling.simulator import ClosedLoop, simulate
     from ..scheduling.traces import AcceptanceTraces
@@ -198,11 +200,16 @@ def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_
         raise ValueError(f"{cfg.traces} was recorded at γ = {traces.gamma}, the benchmark runs γ = {cfg.gamma}")
     profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id, loaded.model), drafter=drafter)
     for cell in cells:
-        policy = build_policy(cell["policy"], drafter, cfg.model, cfg.dtype, loaded.model, cfg.gamma)
-        loop = ClosedLoop(cell["concurrency"], cfg.max_new_tokens, prompt_mix=prompt_mix)
-        r = simulate(profile, traces, policy, loop, seed=0, prefill_chunk=EngineConfig().prefill_chunk)
-        cell.update(sim_throughput_tok_s=r.throughput_tps, sim_per_user_tok_s=r.per_user_tps,
-                    sim_mean_budget=r.mean_budget, sim_tau=r.tau)
+        runs = []
+        for rep in range(cfg.repeats):
+            policy = build_policy(cell["policy"], drafter, cfg.model, cfg.dtype, loaded.model, cfg.gamma)
+            loop = ClosedLoop(cell["concurrency"], cfg.max_new_tokens, output_spread=cfg.length_spread,
+                              prompt_mix=rotated(prompt_mix, rep, cfg.repeats),
+                              requests_per_client=cfg.requests_per_client)
+            runs.append(simulate(profile, traces, policy, loop, seed=0, prefill_chunk=EngineConfig().prefill_chunk))
+        cell.update({f"sim_{k}": median([getattr(r, attr) for r in runs]) for k, attr in (
+            ("throughput_tok_s", "throughput_tps"), ("per_user_tok_s", "per_user_tps"), ("mean_budget", "mean_budget"),
+            ("tau", "tau"))})
 
 
 def _is_fixed(policy: str) -> bool:

@@ -27,10 +27,11 @@ TOKENS_PER_REQUEST = 4  # a typical steady-state request verifies its anchor plu
 # (layers.bucket_rows; scripts/step_shape_cost.py). With only k = 1, 2, 4, 8 a 3-token R = 1 step was priced
 # 6 % under its cost, and the async scheduler verified 2 drafts where 1 paid.
 GRID_TOKENS = (1, 2, 3, 4, 5, 8)
-# The prefill table: a new request's prompt chunk of P tokens beside R requests decoding (0: alone). A prompt's
-# extra time is nearly the same at every load from 1 to 32 requests (within ~10 % from 64 tokens:
-# scripts/prefill_cost.py), so three loads suffice.
-PREFILL_REQUESTS = (0, 8, 32)
+# The prefill table: a new request's prompt chunk of P tokens beside R requests decoding (0: alone). From 64
+# tokens a prompt's extra time is nearly the same at every load from 1 to 32 requests (within ~10 %), but alone
+# it also pays the forward's fixed cost (a 16-token prompt: 19 ms alone, 12 ms over one decoding request, 9 ms
+# over eight; scripts/prefill_cost.py), so the table has R = 1 beside R = 0.
+PREFILL_REQUESTS = (0, 1, 8, 32)
 PREFILL_TOKENS = (16, 32, 64, 128, 256, 512)
 MIN_JOB_SECONDS = 0.1  # steps cheaper than this get up to 4 samples per round (the low-load ones that decide)
 log = logging.getLogger("dspark")

@@ -1,0 +1,119 @@
+"""Workloads for the serving simulator: who arrives when, with how long a prompt, wanting how many tokens.
+
+``ClosedLoop`` is C users each keeping one request in flight, either forever in steady state (the simulator's
+sweeps) or, with ``requests_per_client``, the benchmark's cell: C clients starting cold together and replacing
+each finished request until C × that many have been sent, the cell ending with the last one (the drain with fewer
+than C running is part of what `dspark bench serve` measures). ``Poisson`` is an open loop. ``Requests`` is the
+state a run carries: per running request, the tokens it still has to emit and the prompt tokens still to prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ClosedLoop:
+    """C users, each with one request in flight; a finished request is replaced at once by a new one."""
+
+    concurrency: int
+    output_tokens: int = 256
+    n_steps: int = 400  # steady state only (requests_per_client = 0)
+    prompt_tokens: int = 0  # prefilled by each new request (in steady state the initial C start mid-decode)
+    prompt_mix: tuple[int, ...] = ()  # prompt lengths new requests take in turn (instead of prompt_tokens)
+    output_spread: float = 0.0  # a request's output length: round(output_tokens · u), u ~ U[1 − s, 1 + s]
+    requests_per_client: int = 0  # > 0: C × this many requests in all from a cold start, then the drain
+
+    def __post_init__(self):
+        if self.concurrency < 1 or self.output_tokens < 1 or self.requests_per_client < 0:
+            raise ValueError(f"need concurrency >= 1, output_tokens >= 1 and requests_per_client >= 0, got "
+                             f"{self.concurrency}, {self.output_tokens}, {self.requests_per_client}")
+        if not 0.0 <= self.output_spread < 1.0:
+            raise ValueError(f"output_spread must lie in [0, 1), got {self.output_spread}")
+
+
+@dataclass(frozen=True)
+class Poisson:
+    """Open loop: ``n_requests`` requests arriving as a Poisson process of ``rate`` per second."""
+
+    rate: float
+    n_requests: int = 200
+    output_tokens: int = 256
+    prompt_tokens: int = 0
+    prompt_mix: tuple[int, ...] = ()
+    output_spread: float = 0.0
+
+
+Arrival = Union[ClosedLoop, Poisson]
+
+
+class Requests:
+    """The running requests of one simulated run, in arrival order: ``remaining`` [R] tokens to emit,
+    ``prefill`` [R] prompt tokens still to prefill. Lengths come from their own seeded stream, so the simulator's
+    round draws stay aligned across policies."""
+
+    def __init__(self, arrival: Arrival, rng: np.random.Generator, seed: int = 0):
+        self.arrival, self._lengths = arrival, np.random.default_rng([seed, 1])
+        mix = np.asarray(arrival.prompt_mix or (arrival.prompt_tokens,), dtype=np.int64)
+        if mix.ndim != 1 or (mix < 0).any():
+            raise ValueError(f"prompt lengths must be integers >= 0, got {arrival.prompt_mix!r}")
+        self._mix, self._next_prompt = mix, 0
+        self.closed = isinstance(arrival, ClosedLoop)
+        self._quota = arrival.requests_per_client if self.closed else 0
+        if self.closed and not self._quota:
+            # Steady state: staggered remaining lengths, else all C requests finish in lockstep waves.
+            self.remaining = rng.integers(1, arrival.output_tokens + 1, size=arrival.concurrency)
+            self.prefill = np.zeros(arrival.concurrency, dtype=np.int64)
+        elif self.closed:  # the benchmark's cold start: every client sends its first request at once
+            self.remaining, self.prefill = self._new(arrival.concurrency)
+        else:
+            self.remaining = self.prefill = np.empty(0, dtype=np.int64)
+        self._budget = self._quota * self.remaining.size  # requests to send in all (0: no end)
+        self._sent = self.remaining.size
+        self._arrivals = (np.cumsum(rng.exponential(1.0 / arrival.rate, size=arrival.n_requests))
+                          if not self.closed else np.empty(0))
+        self._joined = 0
+        self.start = float(self._arrivals[0]) if self._arrivals.size else 0.0
+
+    def _new(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(output lengths, prompt lengths) of n new requests: the prompt mix in turn."""
+        out, spread = self.arrival.output_tokens, self.arrival.output_spread
+        lengths = np.full(n, out, dtype=np.int64) if not spread else np.maximum(
+            1, np.rint(out * self._lengths.uniform(1 - spread, 1 + spread, size=n))).astype(np.int64)
+        prompts = self._mix[(self._next_prompt + np.arange(n)) % self._mix.size]
+        self._next_prompt += n
+        return lengths, prompts
+
+    def admit(self, t: float, steps: int) -> float | None:
+        """Before a step at time t: let arrivals up to t join (open loop); the time the step starts (later when
+        idle until the next arrival), or None when the run is over."""
+        if self.closed:
+            return None if (self.remaining.size == 0 if self._quota else steps >= self.arrival.n_steps) else t
+        n_new = int(np.searchsorted(self._arrivals, t, side="right")) - self._joined
+        lengths, prompts = self._new(n_new)
+        self.remaining = np.concatenate([self.remaining, lengths])
+        self.prefill = np.concatenate([self.prefill, prompts])
+        self._joined += n_new
+        if self.remaining.size:
+            return t
+        return None if self._joined >= self._arrivals.size else self.admit(float(self._arrivals[self._joined]),
+                                                                             steps)
+
+    def advance(self, took: np.ndarray, got: np.ndarray) -> int:
+        """After a step: ``took`` [R] prompt tokens prefilled, ``got`` [R] tokens emitted; finished requests are
+        replaced (closed loop, while their client has requests left) or leave. Returns how many finished."""
+        self.prefill = self.prefill - took
+        self.remaining = self.remaining - got
+        done = self.remaining == 0
+        keep = ~done
+        if self.closed:  # the first finished requests are replaced while the budget lasts
+            n_again = int(done.sum()) if not self._budget else min(int(done.sum()), self._budget - self._sent)
+            again = np.flatnonzero(done)[:n_again]
+            self.remaining[again], self.prefill[again] = self._new(n_again)
+            self._sent += n_again
+            keep[again] = True
+        self.remaining, self.prefill = self.remaining[keep], self.prefill[keep]
+        return int(done.sum())

@@ -1,0 +1,59 @@
+"""Simulator workloads: the benchmark's cell (C clients from a cold start sending C × n requests in all, the drain
+with fewer running at the end), output lengths spread like the benchmark's, and the open loop."""
+
+import numpy as np
+import pytest
+
+from dspark.scheduling import ClosedLoop, FixedPolicy, Poisson, SpeedProfile, simulate, synthetic_traces
+from dspark.scheduling.workload import Requests
+
+# 10 ms a step plus 10 ms per request in it, whatever it verifies: the clock counts steps and their sizes.
+PER_REQUEST = SpeedProfile((1, 64), (0.02, 0.02), grid_requests=(1, 2), grid_tokens=(1, 2),
+                           grid_seconds=((0.02, 0.02), (0.03, 0.03)))
+TRACES = synthetic_traces(n_rounds=50, gamma=3, seed=0)
+
+
+def test_requests_per_client_runs_the_benchmark_cell_and_drains():
+    # Two clients, three 4-token requests each, plain decoding: 12 steps of both requests, then nothing left.
+    r = simulate(PER_REQUEST, TRACES, FixedPolicy(0), ClosedLoop(2, output_tokens=4, requests_per_client=3))
+    assert r.completed == 6 and r.steps == 12
+    assert r.throughput_tps == pytest.approx(24 / (12 * 0.03))
+
+
+def test_the_drain_with_fewer_requests_running_is_measured():
+    loop = ClosedLoop(2, output_tokens=10, output_spread=0.5, requests_per_client=1)
+    lengths = Requests(loop, np.random.default_rng(0), seed=0).remaining
+    assert lengths.min() != lengths.max() and ((5 <= lengths) & (lengths <= 15)).all()
+    r = simulate(PER_REQUEST, TRACES, FixedPolicy(0), loop, seed=0)
+    short, long = sorted(lengths)
+    # both run until the shorter finishes, then the longer alone
+    assert r.steps == long and r.completed == 2
+    assert r.sim_seconds == pytest.approx(short * 0.03 + (long - short) * 0.02)
+
+
+def test_output_spread_is_seeded_and_centred():
+    loop = ClosedLoop(64, output_tokens=100, output_spread=0.5, requests_per_client=1)
+    a = Requests(loop, np.random.default_rng(0), seed=3).remaining
+    assert (a == Requests(loop, np.random.default_rng(9), seed=3).remaining).all()  # its own stream
+    assert a.min() >= 50 and a.max() <= 150 and abs(a.mean() - 100) < 10
+
+
+def test_the_cold_start_prefills_every_first_prompt():
+    loop = ClosedLoop(3, output_tokens=4, prompt_mix=(7, 9), requests_per_client=2)
+    reqs = Requests(loop, np.random.default_rng(0))
+    assert reqs.prefill.tolist() == [7, 9, 7]  # the mix in turn
+    r = simulate(PER_REQUEST, TRACES, FixedPolicy(0), loop)
+    assert r.completed == 6 and r.throughput_tps > 0
+
+
+@pytest.mark.parametrize("bad", [dict(output_spread=1.0), dict(output_spread=-0.1), dict(requests_per_client=-1),
+                                 dict(concurrency=0)])
+def test_invalid_workloads_are_refused(bad):
+    with pytest.raises(ValueError):
+        ClosedLoop(**{"concurrency": 2, **bad})
+
+
+def test_open_loop_requests_leave_and_the_run_ends():
+    r = simulate(PER_REQUEST, TRACES, FixedPolicy(0), Poisson(rate=5.0, n_requests=20, output_tokens=8,
+                                                               output_spread=0.25), seed=1)
+    assert r.completed == 20 and r.sim_seconds > 0
