@@ -96,11 +96,16 @@ def test_compaction_bounds_the_steps_a_request_holds_and_feeds_the_same_rows():
     drafter = _Layers()
     feed = DraftFeed(drafter, compact_every=3)
     a, b = _req(0), _req(1)
-    steps = [_fake_step(feed, [a, b], [1, 1], rows_of_forward=2, offset=10 * i) for i in range(7)]
-    assert max(len(c) for c in feed.pending.values()) < 3 and feed.held == {"0": 7, "1": 7}
+    steps = [_fake_step(feed, [a, b], [1, 1], rows_of_forward=2, offset=10 * i) for i in range(4)]
+    first = feed.pending["0"][0][0]  # steps 1-3 copied into one chunk of a's own
+    assert first.shape[0] == 3 and feed.settled == {"0": 1, "1": 1}
+    steps += [_fake_step(feed, [a, b], [1, 1], rows_of_forward=2, offset=10 * i) for i in range(4, 7)]
+    # steps 4-6 made a second chunk; the first was not copied again (each row is copied once at most)
+    assert feed.pending["0"][0][0] is first and [c[2] for c in feed.pending["0"]] == [3, 3, 1]
+    assert all(len(c) - feed.settled[r] < 3 for r, c in feed.pending.items()) and feed.held == {"0": 7, "1": 7}
     feed.flush([a, b], lambda r, e: None)
     (n, states, offsets, counts), = drafter.fed
-    assert n == 2 and offsets == [0, 7] and counts == [7, 7] and not feed.pending
+    assert n == 2 and offsets == [0, 7] and counts == [7, 7] and not feed.pending and not feed.settled
     assert torch.equal(states, torch.cat([torch.stack([s[0] for s in steps]), torch.stack([s[1] for s in steps])]))
 
 
@@ -110,7 +115,7 @@ def test_pending_rows_are_bounded_when_the_drafter_never_runs():
     _, engine, reqs, drafts, held = run(max_pending=5, policy=make_policy("none"), n_tokens=30)
     assert not drafts and max(held) < 5
     assert all(r.error is None and len(r.output) == 30 for r in reqs)
-    assert not engine.feed.pending and not engine.feed.held  # finished requests leave nothing behind
+    assert not engine.feed.pending and not engine.feed.held and not engine.feed.settled  # nothing left behind
 
 
 def test_a_failing_feed_fails_the_requests_it_fed_and_the_engine_goes_on():
