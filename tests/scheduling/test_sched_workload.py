@@ -57,3 +57,14 @@ def test_open_loop_requests_leave_and_the_run_ends():
     r = simulate(PER_REQUEST, TRACES, FixedPolicy(0), Poisson(rate=5.0, n_requests=20, output_tokens=8,
                                                                output_spread=0.25), seed=1)
     assert r.completed == 20 and r.sim_seconds > 0
+
+
+def test_command_line_takes_a_prompt_mix_and_an_output_spread(tmp_path):
+    from dspark.scheduling.simulator import main
+
+    table = tmp_path / "cpu.csv"
+    table.write_text("tokens,seconds\n1,0.01\n64,0.2\n512,1.0\n")
+    args = ["--profile", str(table), "--concurrency", "4", "--steps", "200"]
+    plain = main(args)
+    mixed = main(args + ["--prompt-mix", "16,128", "--output-spread", "0.5"])
+    assert mixed["none"][4].throughput_tps < plain["none"][4].throughput_tps  # prompts cost their prefill

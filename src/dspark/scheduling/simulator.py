@@ -150,14 +150,15 @@ def default_policies(profile: SpeedProfile, gamma: int = 7, threshold: float = 0
 
 def sweep(profile: SpeedProfile, traces: AcceptanceTraces, concurrencies: Sequence[int] = (1, 8, 64, 256), *,
           policies: Mapping[str, Callable[[], object]] | None = None, output_tokens: int = 256,
-          n_steps: int = 400, seed: int = 0, prompt_tokens: int = 0) -> dict[str, dict[int, SimResult]]:
+          n_steps: int = 400, seed: int = 0, prompt_tokens: int = 0, prompt_mix: Sequence[int] = (),
+          output_spread: float = 0.0) -> dict[str, dict[int, SimResult]]:
     """Closed-loop simulation of every policy at every concurrency -> results[policy name][C]."""
     policies = policies or default_policies(profile, traces.gamma)
     out: dict[str, dict[int, SimResult]] = {}
     for name, make in policies.items():
         out[name] = {}
         for c in concurrencies:
-            loop = ClosedLoop(c, output_tokens, n_steps, prompt_tokens)
+            loop = ClosedLoop(c, output_tokens, n_steps, prompt_tokens, tuple(prompt_mix), output_spread)
             out[name][c] = simulate(profile, traces, make(), loop, seed=seed)
     return out
 
@@ -217,14 +218,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[int, SimResult]]:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--output-tokens", type=int, default=256)
     ap.add_argument("--prompt-tokens", type=int, default=0, help="prompt length each new request prefills")
+    ap.add_argument("--prompt-mix", default="", help="comma-separated prompt lengths new requests take in turn")
+    ap.add_argument("--output-spread", type=float, default=0.0,
+                    help="output lengths spread as output_tokens · U[1 − s, 1 + s]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="directory for sweep.md, sweep.json and sweep.png")
     args = ap.parse_args(argv)
     prof = load_profile_table(args.profile) if args.profile else gpu_like_profile()
     traces = AcceptanceTraces.load(args.traces) if args.traces else synthetic_traces(seed=args.seed)
     cs = tuple(int(c) for c in args.concurrency.split(","))
+    mix = tuple(int(p) for p in args.prompt_mix.split(",") if p)
     res = sweep(prof, traces, cs, output_tokens=args.output_tokens, n_steps=args.steps, seed=args.seed,
-                prompt_tokens=args.prompt_tokens)
+                prompt_tokens=args.prompt_tokens, prompt_mix=mix, output_spread=args.output_spread)
     table = format_sweep(res)
     print(table)
     if args.out:

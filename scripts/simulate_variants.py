@@ -1,0 +1,79 @@
+"""Policy variants on the serving simulator, with this machine's profile and the benchmark's own workload.
+
+    .venv/bin/python scripts/simulate_variants.py --out results/sim-variants-s25
+    .venv/bin/python scripts/simulate_variants.py --variants async,async:confirm=1 --concurrency 4 --seeds 3
+
+Before spending a 20-minute serving run on an async option, ask the simulator: each variant runs the cell
+`dspark bench serve --requests-per-client N --max-new-tokens 64` would run (cold start, C × N requests, the drain;
+the benchmark's prompt lengths, rotated per seed as its repeats rotate them; output lengths spread ±50 %) with the
+same seeds, and is reported as its throughput over plain decoding's, median over the seeds. Since session 25 the
+simulator prices a new request's prompt by the profile's prefill table and matches the measured cells within
+0.93–1.02 (results/serving-s25-sim); it prices model time only, and a probe's drafting as the profile's drafting
+table (not the backlog its requests feed first), so what it says about differences under ~0.5 % is a hint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dspark.bench.common import machine_info
+from dspark.bench.serving import ServeBenchConfig, build_policy, rotated, setup
+from dspark.engine.profiling import load_or_profile, profile_key
+from dspark.scheduling.simulator import simulate
+from dspark.scheduling.traces import AcceptanceTraces
+from dspark.scheduling.workload import ClosedLoop
+
+VARIANTS = ("none,mtp1,async,async:confirm=1,async:steady_run=4,async:far_probe_every=256,async:min_gain=0.06,"
+            "async:probe_requests=1,async:max_probe_every=128")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--drafter", default="dspark")
+    ap.add_argument("--variants", default=VARIANTS, help="policies, comma-separated (none is always run)")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32")
+    ap.add_argument("--requests-per-client", type=int, default=16)
+    ap.add_argument("--seeds", type=int, default=6)
+    ap.add_argument("--traces", default="results/calibration-more/traces.npz")
+    ap.add_argument("--out", default=None, help="directory for variants.json and variants.md")
+    args = ap.parse_args()
+    cfg = ServeBenchConfig(drafter=args.drafter, policies=("none",), concurrency=(1,))
+    loaded, drafter, prompts, _, _ = setup(cfg)
+    profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id, loaded.model),
+                              drafter=drafter)
+    traces = AcceptanceTraces.load(args.traces)
+    mix = tuple(map(len, prompts))
+    variants = ["none"] + [v for v in args.variants.split(",") if v and v != "none"]
+    rows = []
+    for c in (int(x) for x in args.concurrency.split(",")):
+        tps = {}
+        for v in variants:
+            tps[v] = np.array([simulate(profile, traces, build_policy(v, drafter, cfg.model, cfg.dtype, loaded.model,
+                                                                      traces.gamma),
+                                        ClosedLoop(c, 64, prompt_mix=rotated(mix, seed % 3, 3), output_spread=0.5,
+                                                   requests_per_client=args.requests_per_client),
+                                        seed=seed).throughput_tps for seed in range(args.seeds)])
+        rows.append({"concurrency": c, "none_tok_s": round(float(np.median(tps["none"])), 1),
+                     **{v: round(float(np.median(tps[v] / tps["none"])), 4) for v in variants[1:]}})
+    table = ("| C | none tok/s | " + " | ".join(variants[1:]) + " |\n|---|---|" + "---|" * (len(variants) - 1) + "\n"
+             + "".join(f"| {r['concurrency']} | {r['none_tok_s']:.0f} | " + " | ".join(f"{r[v]:.4f}"
+                                                                                for v in variants[1:]) + " |\n"
+                       for r in rows))
+    meta = {"profile": profile.key.as_dict() if profile.key else profile.source, "traces": args.traces,
+            "seeds": args.seeds, "requests_per_client": args.requests_per_client, **machine_info()}
+    print(f"simulated throughput over plain decoding, median over {args.seeds} seeds\n\n{table}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "variants.json").write_text(json.dumps({"settings": meta, "results": rows}, indent=1))
+        (out / "variants.md").write_text(f"# Simulated policy variants ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
+                                         f"{json.dumps(meta)}\n\nthroughput over plain decoding, median over "
+                                         f"{args.seeds} seeds\n\n{table}")
+
+
+if __name__ == "__main__":
+    main()
