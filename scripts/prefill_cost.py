@@ -56,7 +56,7 @@ def load_profile(model_name: str, drafter_name: str):
     loaded = load_model(model_name)
     drafter = make_drafter(drafter_name, target=loaded.model)
     key = profile_key(model_name, "float32", drafter.profile_id, loaded.model)
-    return loaded.model, load_or_profile(loaded.model, key, drafter=drafter)
+    return loaded.model, load_or_profile(loaded.model, key, drafter=drafter, prefill=True)
 
 
 def main() -> None:

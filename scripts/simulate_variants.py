@@ -44,7 +44,7 @@ def main() -> None:
     cfg = ServeBenchConfig(drafter=args.drafter, policies=("none",), concurrency=(1,))
     loaded, drafter, prompts, _, _ = setup(cfg)
     profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id, loaded.model),
-                              drafter=drafter)
+                              drafter=drafter, prefill=True)
     traces = AcceptanceTraces.load(args.traces)
     mix = tuple(map(len, prompts))
     variants = ["none"] + [v for v in args.variants.split(",") if v and v != "none"]

@@ -216,7 +216,7 @@ def run_profile(args) -> int:
         print(f"# our C kernel serves projections of up to {kernel_choice.tune(loaded.model, force=True)} rows")
     drafter = None if args.drafter == "none" else make_drafter(args.drafter, target=loaded.model)
     key = profile_key(args.model, args.dtype, drafter.profile_id if drafter else "none", loaded.model)
-    prof = load_or_profile(loaded.model, key, repeats=args.repeats, force=args.force, drafter=drafter)
+    prof = load_or_profile(loaded.model, key, repeats=args.repeats, force=args.force, drafter=drafter, prefill=True)
     print(f"# speed profile ({prof.source}) cached at {profile_path(key)}")
     print("tokens\tms/step\tsteps/s")
     for b, s in zip(prof.tokens, prof.seconds):

@@ -102,3 +102,21 @@ def test_simulator_prompt_mix_is_taken_in_turn():
     assert mix.throughput_tps == pytest.approx(8 / 0.148, rel=0.01)
     with pytest.raises(ValueError, match="prompt lengths"):
         simulate(PREFILL, tr, FixedPolicy(0), ClosedLoop(1, output_tokens=4, prompt_mix=(16, -1)))
+
+
+def test_a_cached_profile_without_the_table_is_measured_again_only_when_the_table_is_needed(tmp_path):
+    from dspark.scheduling.profile_io import load_or_measure
+
+    path = tmp_path / "p.json"
+    plain = SpeedProfile((1, 8), (0.01, 0.02), key=KEY)
+    save_profile(plain, path)
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return PREFILL
+
+    assert load_or_measure(path, KEY, measure) == plain and not calls  # an engine takes what is cached
+    needs_table = lambda p: bool(p.prefill_seconds)  # noqa: E731
+    assert load_or_measure(path, KEY, measure, usable=needs_table).prefill_seconds and calls == [1]
+    assert load_or_measure(path, KEY, measure, usable=needs_table) == PREFILL and calls == [1]  # cached now

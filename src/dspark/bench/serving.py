@@ -60,6 +60,8 @@ def setup(cfg: ServeBenchConfig):
     """(loaded target, drafter, prompts, sampling params, {policy: engine}) exactly as the benchmark uses them."""
     loaded = load_model(cfg.model, dtype=cfg.dtype)
     drafter = make_drafter(cfg.drafter, target=loaded.model, gamma=cfg.gamma)
+    if cfg.traces is not None and drafter is not None:  # measured (if absent) before the policies read it
+        simulator_profile(cfg, loaded, drafter)
     prompts = [prompt_ids(loaded.tokenizer, text, chat=True) for _, text in mixed(load_bench_prompts(ALL_SETS, 8))]
     params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=0)
     engines = {}
@@ -184,6 +186,14 @@ def measure(engines: dict[str, Engine], prompts, concurrency: int, params: Sampl
     return list(zip(engines, run_loops(loops, seconds, cfg.warmup_s)))
 
 
+def simulator_profile(cfg: ServeBenchConfig, loaded, drafter):
+    """This machine's cached profile with the prefill table the simulator prices new requests' prompts by."""
+    from ..engine.profiling import load_or_profile, profile_key
+
+    key = profile_key(cfg.model, cfg.dtype, drafter.profile_id, loaded.model)
+    return load_or_profile(loaded.model, key, drafter=drafter, prefill=True)
+
+
 def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_mix: tuple[int, ...]) -> None:
     """Add the serving simulator's prediction to every measured cell: the same policies (built the same way,
     over the same cached speed profile, with this drafter's measured drafting cost), closed-loop clients at the
@@ -191,14 +201,13 @@ def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_
     start, drain included), new requests prefilling the benchmark's prompt lengths in turn (`prompt_mix`, rotated
     per repeat as `rotated` does the prompts) in the shared forward, rounds replayed from `cfg.traces` (recorded
     with this drafter); medians over the repeats, as the measured cells."""
-    from ..engine.profiling import load_or_profile, profile_key
     from ..scheduling.simulator import ClosedLoop, simulate
     from ..scheduling.traces import AcceptanceTraces
 
     traces = AcceptanceTraces.load(cfg.traces)
     if traces.gamma != cfg.gamma:
         raise ValueError(f"{cfg.traces} was recorded at γ = {traces.gamma}, the benchmark runs γ = {cfg.gamma}")
-    profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id, loaded.model), drafter=drafter)
+    profile = simulator_profile(cfg, loaded, drafter)
     for cell in cells:
         runs = []
         for rep in range(cfg.repeats):

@@ -161,10 +161,12 @@ def profile_path(key: ProfileKey) -> Path:
 
 
 def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force: bool = False,
-                    drafter=None) -> SpeedProfile:
+                    drafter=None, prefill: bool = False) -> SpeedProfile:
     """The cached profile for this key, or a fresh measurement (a mismatched cache warns and re-profiles).
     With a drafter, its drafting cost against the number of requests is measured too (key it by
-    `drafter.profile_id`)."""
+    `drafter.profile_id`). With ``prefill`` the profile must hold the prefill table (a cached one without it is
+    measured again, with it): only the simulator prices prompts, so an engine's first start does not measure it
+    (~40 s on the dev CPU)."""
     def measure() -> SpeedProfile:
         log.info("measuring this machine's speed profile for the scheduler (once, a few minutes; cached at %s)",
                  path)
@@ -172,16 +174,16 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
                                             "shallow_draft_fn": drafter_step_fn(model, drafter, depth=1),
                                             "draft_depth": drafter.gamma, "request_counts": PROFILE_REQUESTS}
         caches = _warm_caches(model)
+        if prefill:
+            extra.update(prefill_fn=_by_load(prefill_step_fn(model, caches)), prefill_requests=PREFILL_REQUESTS,
+                         prefill_tokens=[p for p in PREFILL_TOKENS if p <= model.config.max_position])
         return measure_profile(target_step_fn(model, caches=caches), PROFILE_TOKENS, repeats=repeats, key=key,
                                one_segment_fn=target_step_fn(model, one_segment=True, caches=caches),
                                tokens_per_segment=TOKENS_PER_REQUEST, grid_fn=grid_step_fn(model, caches),
                                grid_requests=PROFILE_REQUESTS, grid_tokens=GRID_TOKENS,
-                               prefill_fn=_by_load(prefill_step_fn(model, caches)),
-                               prefill_requests=PREFILL_REQUESTS,
-                               prefill_tokens=[p for p in PREFILL_TOKENS if p <= model.config.max_position],
                                min_job_seconds=MIN_JOB_SECONDS, shuffle_seed=0, table_cell=table_cell, **extra)
 
     path = profile_path(key)
     if force and path.exists():
         path.unlink()
-    return load_or_measure(path, key, measure)
+    return load_or_measure(path, key, measure, usable=lambda p: bool(p.prefill_seconds) or not prefill)

@@ -109,11 +109,13 @@ def load_cached_profile(path: str | os.PathLike, key: ProfileKey) -> SpeedProfil
     return prof
 
 
-def load_or_measure(path: str | os.PathLike, key: ProfileKey, measure: Callable[[], SpeedProfile]) -> SpeedProfile:
-    """What an engine does at start: the cached profile for ``key`` if there is one, else ``measure()`` it (e.g.
-    ``lambda: measure_profile(step_fn, counts)``), stamp it with ``key`` and cache it for next time."""
+def load_or_measure(path: str | os.PathLike, key: ProfileKey, measure: Callable[[], SpeedProfile],
+                    usable: Callable[[SpeedProfile], bool] = lambda p: True) -> SpeedProfile:
+    """What an engine does at start: the cached profile for ``key`` if there is one (and it is ``usable``: holds
+    what the caller needs), else ``measure()`` it (e.g. ``lambda: measure_profile(step_fn, counts)``), stamp it
+    with ``key`` and cache it for next time."""
     prof = load_cached_profile(path, key)
-    if prof is None:
+    if prof is None or not usable(prof):
         m = measure()
         prof = dataclasses.replace(m, key=key)
         save_profile(prof, path)
