@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.bench.common import machine_info
+from dspark.bench.common import machine_info, write_results
 from dspark.engine.profiling import _step_fn, _warm_caches, prefill_step_fn
 from dspark.models import layers, load_model
 from dspark.models.transformer import Segment
@@ -142,11 +142,8 @@ def main() -> None:
     meta = {"model": args.model, "rounds": args.rounds, **machine_info()}
     print(f"medians of {args.rounds} shuffled rounds: {json.dumps(meta)}\n\n{table}")
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "buckets.json").write_text(json.dumps({"settings": meta, "results": rows}, indent=1))
-        (out / "buckets.md").write_text(f"# Row buckets: coarse (before session 24) vs current\n\n"
-                                        f"{json.dumps(meta)}\n\n{table}")
+        write_results(Path(args.out), "buckets", {"settings": meta, "results": rows},
+                      f"# Row buckets: coarse (before session 24) vs current\n\n{json.dumps(meta)}\n\n{table}")
 
 
 if __name__ == "__main__":

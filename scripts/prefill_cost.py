@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.bench.common import machine_info
+from dspark.bench.common import machine_info, write_results
 from dspark.engine.profiling import _step_fn, _warm_caches, prefill_step_fn
 
 
@@ -94,11 +94,9 @@ def main() -> None:
             else None, "rounds": args.rounds, **machine_info()}
     print(f"medians of {args.rounds} shuffled rounds: {json.dumps(meta)}\n\n{table}")
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "prefill.json").write_text(json.dumps({"settings": meta, "results": rows}, indent=1))
-        (out / "prefill.md").write_text(f"# A prompt's cost in the step it rides in ({time.strftime('%Y-%m-%d %H:%M')})"
-                                        f"\n\n{json.dumps(meta)}\n\n{table}")
+        write_results(Path(args.out), "prefill", {"settings": meta, "results": rows},
+                      f"# A prompt's cost in the step it rides in ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
+                      f"{json.dumps(meta)}\n\n{table}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.bench.common import machine_info
+from dspark.bench.common import machine_info, write_results
 from dspark.bench.serving import ServeBenchConfig, build_policy, rotated, setup
 from dspark.engine.profiling import load_or_profile, profile_key
 from dspark.scheduling.simulator import simulate
@@ -67,12 +67,9 @@ def main() -> None:
             "seeds": args.seeds, "requests_per_client": args.requests_per_client, **machine_info()}
     print(f"simulated throughput over plain decoding, median over {args.seeds} seeds\n\n{table}")
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "variants.json").write_text(json.dumps({"settings": meta, "results": rows}, indent=1))
-        (out / "variants.md").write_text(f"# Simulated policy variants ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
-                                         f"{json.dumps(meta)}\n\nthroughput over plain decoding, median over "
-                                         f"{args.seeds} seeds\n\n{table}")
+        write_results(Path(args.out), "variants", {"settings": meta, "results": rows},
+                      f"# Simulated policy variants ({time.strftime('%Y-%m-%d %H:%M')})\n\n{json.dumps(meta)}\n\n"
+                      f"throughput over plain decoding, median over {args.seeds} seeds\n\n{table}")
 
 
 if __name__ == "__main__":
