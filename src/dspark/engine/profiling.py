@@ -166,7 +166,7 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
     With a drafter, its drafting cost against the number of requests is measured too (key it by
     `drafter.profile_id`). With ``prefill`` the profile must hold the prefill table (a cached one without it is
     measured again, with it): only the simulator prices prompts, so an engine's first start does not measure it
-    (~40 s on the dev CPU)."""
+    (49 s without it, 90 s with it on the dev CPU: results/prefill-s25/profile-time.txt)."""
     def measure() -> SpeedProfile:
         log.info("measuring this machine's speed profile for the scheduler (once, a few minutes; cached at %s)",
                  path)
