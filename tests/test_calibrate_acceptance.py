@@ -187,6 +187,30 @@ def test_bench_serve_simulates_the_measured_cells(tiny, tmp_path, monkeypatch):
         simulated(ServeBenchConfig(model=cfg.model, gamma=7, traces=cfg.traces), loaded, drafter, cells, (0,))
 
 
+def test_bench_serve_measures_the_prefill_table_before_the_policies_read_the_profile(tiny, tmp_path, monkeypatch):
+    """With --traces the simulator needs the prefill table; it is measured once, before the engines' policies load
+    the profile, so both price steps from the same measurement (and none is measured twice)."""
+    import dspark.scheduling.profile_io as profile_io
+    from dspark.bench.serving import ServeBenchConfig, setup
+    from dspark.scheduling.traces import AcceptanceTraces
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    root, _, paths, _ = tiny
+    measured, real = [], profile_io.load_or_measure
+
+    def counting(path, key, measure, usable=lambda p: True):
+        return real(path, key, lambda: measured.append(1) or measure(), usable)
+
+    monkeypatch.setattr(profile_io, "load_or_measure", counting)
+    monkeypatch.setattr("dspark.engine.profiling.load_or_measure", counting)
+    rng = np.random.default_rng(0)
+    AcceptanceTraces(rng.uniform(0.2, 0.9, (50, 4)), rng.integers(0, 5, 50)).save(tmp_path / "traces.npz")
+    cfg = ServeBenchConfig(model=str(root / "target"), drafter=str(paths["dspark"]), gamma=4, max_new_tokens=8,
+                           policies=("async",), concurrency=(1,), traces=tmp_path / "traces.npz")
+    engines = setup(cfg)[4]
+    assert measured == [1] and engines["async"].policy.sps.prefill_seconds
+
+
 def test_per_user_speed_at_matched_throughput_hand_worked():
     from dspark.bench.serving import per_user_at_matched_throughput
 
