@@ -62,8 +62,9 @@ class Requests:
             raise ValueError(f"prompt lengths must be integers >= 0, got {arrival.prompt_mix!r}")
         self._mix, self._next_prompt = mix, 0
         self.closed = isinstance(arrival, ClosedLoop)
-        self._quota = arrival.requests_per_client if self.closed else 0
-        if self.closed and not self._quota:
+        # requests to send in all (0: no end, the steady state)
+        self._budget = arrival.requests_per_client * arrival.concurrency if self.closed else 0
+        if self.closed and not self._budget:
             # Steady state: staggered remaining lengths, else all C requests finish in lockstep waves.
             self.remaining = rng.integers(1, arrival.output_tokens + 1, size=arrival.concurrency)
             self.prefill = np.zeros(arrival.concurrency, dtype=np.int64)
@@ -71,7 +72,6 @@ class Requests:
             self.remaining, self.prefill = self._new(arrival.concurrency)
         else:
             self.remaining = self.prefill = np.empty(0, dtype=np.int64)
-        self._budget = self._quota * self.remaining.size  # requests to send in all (0: no end)
         self._sent = self.remaining.size
         self._arrivals = (np.cumsum(rng.exponential(1.0 / arrival.rate, size=arrival.n_requests))
                           if not self.closed else np.empty(0))
@@ -91,7 +91,7 @@ class Requests:
         """Before a step at time t: let arrivals up to t join (open loop); the time the step starts (later when
         idle until the next arrival), or None when the run is over."""
         if self.closed:
-            return None if (self.remaining.size == 0 if self._quota else steps >= self.arrival.n_steps) else t
+            return None if (self.remaining.size == 0 if self._budget else steps >= self.arrival.n_steps) else t
         n_new = int(np.searchsorted(self._arrivals, t, side="right")) - self._joined
         lengths, prompts = self._new(n_new)
         self.remaining = np.concatenate([self.remaining, lengths])
