@@ -115,6 +115,9 @@ def add_bench(sub) -> None:
                    help="> 0: each cell is the same first C × N requests of the mix for every policy, run until all "
                         "have finished (start-up and drain included; --seconds and --warmup unused): every policy "
                         "does the same work, so paired ratios are not moved by which prompts fit in a time window")
+    s.add_argument("--prompt-tokens", type=int, default=0,
+                   help="> 0: lengthen every prompt to at least this many tokens (the mix's other prompts before it as "
+                        "a document to read; one user turn): serving at long context, where verification costs more")
     s.add_argument("--sequential", action="store_true",
                    help="run each policy's cell alone, one after another (default: step every policy's clients in "
                         "turn, each timed on its own clock, so machine speed drift hits all policies alike)")
@@ -172,7 +175,7 @@ def run_bench_serve(args) -> int:
                          max_new_tokens=args.max_new_tokens, seconds_per_cell=args.seconds, repeats=args.repeats,
                          warmup_s=args.warmup, temperature=args.temperature, out=args.out, traces=args.traces,
                          sequential=args.sequential, length_spread=args.length_spread,
-                         requests_per_client=args.requests_per_client))
+                         requests_per_client=args.requests_per_client, prompt_tokens=args.prompt_tokens))
     return 0
 
 
@@ -228,6 +231,10 @@ def run_profile(args) -> int:
         print("requests\t" + "\t".join(f"ms, {k} token(s) each" for k in prof.grid_tokens))
         for r, row in zip(prof.grid_requests, prof.grid_seconds):
             print(f"{r}\t" + "\t".join(f"{s * 1000:.1f}" for s in row))
+    if prof.prices_context:
+        print(f"# measured at {prof.grid_context} tokens of context per request; each token of context more costs "
+              f"{prof.context_request_s * 1e6:.3f} µs per request and {prof.context_token_s * 1e6:.3f} µs per "
+              f"verified token")
     if prof.draft_requests:
         shallow = prof.shallow_draft_seconds or (None,) * len(prof.draft_requests)
         print(f"requests\tdraft ms/step (depth {prof.draft_depth or 'full'})" + ("\tat depth 1" if shallow[0] else ""))

@@ -43,12 +43,14 @@ class ServeBenchConfig:
     sequential: bool = False  # run each policy's cell alone instead of stepping all policies' loops in turn
     length_spread: float = 0.5  # request i may produce up to max_new_tokens · u_i, u_i ~ U[1 − s, 1 + s] (seeded)
     requests_per_client: int = 0  # > 0: each cell is the same C × this many requests for every policy, not a time
+    prompt_tokens: int = 0  # > 0: every prompt lengthened to at least this many tokens (see `lengthened`)
 
     def __post_init__(self):
         if not 0 <= self.length_spread < 1:
             raise ValueError(f"bench serve needs 0 <= length spread < 1, got {self.length_spread}")
-        if self.requests_per_client < 0:
-            raise ValueError(f"bench serve needs requests per client >= 0, got {self.requests_per_client}")
+        if self.requests_per_client < 0 or self.prompt_tokens < 0:
+            raise ValueError(f"bench serve needs requests per client >= 0 and prompt tokens >= 0, got "
+                             f"{self.requests_per_client}, {self.prompt_tokens}")
         if self.repeats < 1 or self.seconds_per_cell <= 0 or self.warmup_s < 0 or not self.policies \
                 or not self.concurrency or min(self.concurrency) < 1:
             raise ValueError("bench serve needs repeats >= 1, seconds > 0, warmup >= 0, at least one policy and "
@@ -62,7 +64,11 @@ def setup(cfg: ServeBenchConfig):
     drafter = make_drafter(cfg.drafter, target=loaded.model, gamma=cfg.gamma)
     if cfg.traces is not None and drafter is not None:  # measured (if absent) before the policies read it
         simulator_profile(cfg, loaded, drafter)
-    prompts = [prompt_ids(loaded.tokenizer, text, chat=True) for _, text in mixed(load_bench_prompts(ALL_SETS, 8))]
+    texts = [text for _, text in mixed(load_bench_prompts(ALL_SETS, 8))]
+    if cfg.prompt_tokens:
+        texts = lengthened(texts, lambda t: len(prompt_ids(loaded.tokenizer, t, chat=True)), cfg.prompt_tokens,
+                           loaded.model.config.max_position - cfg.max_new_tokens * 2 - cfg.gamma - 1)
+    prompts = [prompt_ids(loaded.tokenizer, text, chat=True) for text in texts]
     params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=0)
     engines = {}
     for name in cfg.policies:
@@ -70,6 +76,29 @@ def setup(cfg: ServeBenchConfig):
         engines[name] = Engine(loaded.model, loaded.tokenizer, drafter if name != "none" else None, policy,
                                loaded.eos_ids, EngineConfig(gamma=cfg.gamma, max_running=max(cfg.concurrency)))
     return loaded, drafter, prompts, params, engines
+
+
+def lengthened(texts: list[str], count, at_least: int, at_most: int) -> list[str]:
+    """Each prompt behind a document made of the prompts after it in the mix (in turn) until it holds at least
+    ``at_least`` tokens (``count(text)``), never more than ``at_most``: long-context serving from the same prompts,
+    every policy given the same texts."""
+    if at_least > at_most:
+        raise ValueError(f"prompts of {at_least} tokens leave no room for the answers in this model's context "
+                         f"(at most {at_most})")
+    out = []
+    for i, text in enumerate(texts):
+        doc, j = [], i + 1
+        while count(_with_document(doc, text)) < at_least and j < i + 4 * len(texts):
+            candidate = doc + [texts[j % len(texts)]]
+            if count(_with_document(candidate, text)) > at_most:
+                break
+            doc, j = candidate, j + 1
+        out.append(_with_document(doc, text))
+    return out
+
+
+def _with_document(doc: list[str], question: str) -> str:
+    return question if not doc else "Read this first:\n\n" + "\n\n".join(doc) + "\n\nNow: " + question
 
 
 def live_factors(policy) -> dict[str, float]:
@@ -125,6 +154,7 @@ def run(cfg: ServeBenchConfig) -> dict:
           f"{cfg.max_new_tokens} ± {100 * cfg.length_spread:g} % new tokens per request, "
           + (f"the same {cfg.requests_per_client} × C requests per cell for every policy"
              if cfg.requests_per_client else f"{cfg.seconds_per_cell:g} s per cell")
+          + (f", prompts lengthened to >= {cfg.prompt_tokens} tokens" if cfg.prompt_tokens else "")
           + (", cells one after another" if cfg.sequential else ", policies stepped in turn")
           + (f" after up to {cfg.warmup_s:g} s of warm-up (first wave)" if cfg.warmup_s and not cfg.requests_per_client
              else "")

@@ -14,7 +14,8 @@ import torch
 from ..models import native, native_attention
 from ..models.loader import cache_root
 from ..models.transformer import Segment, Transformer
-from ..scheduling.profile import ProfileKey, SpeedProfile, current_machine, measure_profile
+from ..scheduling.profile import ProfileKey, SpeedProfile, current_machine
+from ..scheduling.profile_measure import measure_profile
 from ..scheduling.profile_io import load_or_measure
 
 PROFILE_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -32,6 +33,10 @@ GRID_TOKENS = (1, 2, 3, 4, 5, 8)
 # it also pays the forward's fixed cost (a 16-token prompt: 19 ms alone, 12 ms over one decoding request, 9 ms
 # over eight; scripts/prefill_cost.py), so the table has R = 1 beside R = 0.
 PREFILL_REQUESTS = (0, 1, 8, 32)
+# Context: grid cells (R, k) timed again with LONG_CONTEXT tokens per request, for the profile's context prices
+# (attention over the context grows with it, most of all per verified token: scheduling/profile.py).
+LONG_CONTEXT = 1024
+CONTEXT_CELLS = ((1, 1), (1, 8), (4, 1), (4, 8))
 PREFILL_TOKENS = (16, 32, 64, 128, 256, 512)
 MIN_JOB_SECONDS = 0.1  # steps cheaper than this get up to 4 samples per round (the low-load ones that decide)
 log = logging.getLogger("dspark")
@@ -43,15 +48,15 @@ def _split(b: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(requests)]
 
 
-def _warm_caches(model: Transformer):
-    """caches(n): n KV caches holding the same CONTEXT-token prefix (prefilled once, then copied)."""
+def _warm_caches(model: Transformer, context: int = CONTEXT):
+    """caches(n): n KV caches holding the same ``context``-token prefix (prefilled once, then copied)."""
     caches: list = []
 
     def get(n: int) -> list:
         while len(caches) < n:
             if not caches:
-                cache = model.new_cache(CONTEXT + 128)
-                model.forward(torch.arange(CONTEXT) % model.config.vocab_size, [Segment(cache, 0, CONTEXT)])
+                cache = model.new_cache(context + 128)
+                model.forward(torch.arange(context) % model.config.vocab_size, [Segment(cache, 0, context)])
                 caches.append(cache)
             else:
                 caches.append(caches[0].clone())
@@ -60,13 +65,13 @@ def _warm_caches(model: Transformer):
     return get
 
 
-def _step_fn(model: Transformer, caches):
+def _step_fn(model: Transformer, caches, context: int = CONTEXT):
     """run(parts): one forward with request i verifying parts[i] tokens, caches rolled back afterwards."""
     def run(parts: list[int]) -> None:
         used = caches(len(parts))
-        model.forward(torch.zeros(sum(parts), dtype=torch.long), [Segment(c, CONTEXT, n) for c, n in zip(used, parts)])
+        model.forward(torch.zeros(sum(parts), dtype=torch.long), [Segment(c, context, n) for c, n in zip(used, parts)])
         for c in used:
-            c.truncate(CONTEXT)
+            c.truncate(context)
 
     return run
 
@@ -87,6 +92,19 @@ def table_cell(b: int) -> tuple[int, int] | None:
 def grid_step_fn(model: Transformer, caches=None):
     """grid_fn(R, k): one forward of R requests verifying k tokens each."""
     run = _step_fn(model, caches or _warm_caches(model))
+    return lambda r, k: run([k] * r)
+
+
+def long_context(model: Transformer) -> int:
+    """The context the context prices are measured at: LONG_CONTEXT, or what the model's window leaves room for
+    (0: too short a window to measure anything)."""
+    longest = min(LONG_CONTEXT, model.config.max_position - 128 - 8)
+    return longest if longest >= 2 * CONTEXT else 0
+
+
+def context_step_fn(model: Transformer, context: int):
+    """grid_fn(R, k) with every request holding ``context`` tokens of context instead of CONTEXT."""
+    run = _step_fn(model, _warm_caches(model, context), context)
     return lambda r, k: run([k] * r)
 
 
@@ -174,6 +192,9 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
                                             "shallow_draft_fn": drafter_step_fn(model, drafter, depth=1),
                                             "draft_depth": drafter.gamma, "request_counts": PROFILE_REQUESTS}
         caches = _warm_caches(model)
+        if long_context(model):
+            extra.update(context_fn=context_step_fn(model, long_context(model)), context_cells=CONTEXT_CELLS,
+                         context_tokens=(CONTEXT, long_context(model)))
         if prefill:
             extra.update(prefill_fn=_by_load(prefill_step_fn(model, caches)), prefill_requests=PREFILL_REQUESTS,
                          prefill_tokens=[p for p in PREFILL_TOKENS if p <= model.config.max_position])

@@ -51,7 +51,7 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
     R = len(decoding)
     if R == 0:  # nothing to draft for; stateful policies must not record an empty step
         return _undrafted(decoding, gamma)
-    if drafter is None or not policy.prepare(R):
+    if drafter is None or not _prepare(policy, decoding):
         policy.select(None, n_requests=R, gamma=gamma)  # keeps stateful policies in step
         return _undrafted(decoding, gamma)
     t0 = time.perf_counter()
@@ -83,6 +83,15 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
                     confidence_logits=None if raw is None else raw[:, :gamma],
                     propose_seconds=now - t0,  # feeding included: it is the drafter's model work
                     draft_call_seconds=now - t_call, drafted_requests=len(subset), draft_depth=depth)
+
+
+def _prepare(policy, decoding: list[Request]) -> bool:
+    """policy.prepare: should the drafter run? A policy that prices context (each verified token attends to its
+    request's whole context) gets the requests' mean; it is known before drafting, from committed tokens only, so
+    the decision stays lossless."""
+    if getattr(policy, "prices_context", False):
+        return policy.prepare(len(decoding), context=sum(r.num_tokens for r in decoding) / len(decoding))
+    return policy.prepare(len(decoding))
 
 
 def _rows_to_draft(decoding: list[Request], policy, backlog) -> list[int] | None:

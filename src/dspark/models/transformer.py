@@ -112,6 +112,8 @@ class Transformer:
         rope_global = self.rope.lookup(positions, top)
         rope_local = self.rope_local.lookup(positions, top) if self.rope_local is not self.rope else rope_global
         slot = {layer: j for j, layer in enumerate(dict.fromkeys(hidden_layers))}
+        if any(not 0 <= layer < len(self.layers) for layer in slot):  # the buffer's slot would stay unwritten
+            raise ValueError(f"hidden layers {list(slot)} asked of a {len(self.layers)}-layer model")
         plan = self._plan_attention(segments)
         x = self.embed_tokens(tokens.to(self.device))  # [N, d]
         # captured layers are copied into one buffer as they pass, so x's memory is reused, not held

@@ -24,7 +24,8 @@ from .policies import (
     sync_prefix_schedule,
     sync_prefix_schedule_unsafe_no_early_stop,
 )
-from .profile import ProfileKey, SpeedProfile, current_machine, measure_profile
+from .profile import ProfileKey, SpeedProfile, current_machine
+from .profile_measure import measure_profile
 from .profile_io import ProfileFormatError, load_cached_profile, load_or_measure, load_profile_table, save_profile
 from .registry import (
     CONFIDENCE_FREE,

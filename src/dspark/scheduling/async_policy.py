@@ -8,7 +8,7 @@ import numpy as np
 
 from .acceptance_tracker import AcceptanceTracker
 from .live_profile import LiveProfile
-from .policies import (SPS, capacity_from_survivals, could_grow, draft_depth_for, step_survivals,
+from .policies import (CONTEXT_STEP, SPS, capacity_from_survivals, could_grow, draft_depth_for, step_survivals,
                        sync_prefix_schedule, top_k_lengths)
 from .policy_objects import need_confidences
 
@@ -107,6 +107,11 @@ class AsyncPolicy:
     (results/serving-s24-far: 1.006 / 1.002 / 0.998 / 1.001 for the 64-step cap over it at C = 4 / 8 / 16 /
     32), so it is not the default. Both rules read only past prices and request counts, so they stay lossless.
 
+    With ``price_context`` (the default) each step is priced at the running requests' mean context, which the
+    engine passes to ``prepare``: every verified token attends to its request's whole context, so verification
+    costs more than the profile's grid (measured at 256 tokens) says once contexts grow long, and less below (see
+    ``profile.py``). ``price_context=0`` prices every step at the grid's context, as before session 26.
+
     With ``live`` the profile's prices follow the step times the engine reports through ``observe_step``
     (``live_profile.py``: plain, verify and drafting prices each corrected by the median measured / predicted
     ratio of their recent steps), for a machine whose speed drifts after the profile was measured.
@@ -121,7 +126,8 @@ class AsyncPolicy:
                  min_gain: float = 0.03, probe_requests: int = 2, stay_gain: float | None = 0.0,
                  reprobe_every: int | None = None, max_age: int | None = 16, near_loss: float = 0.05,
                  early_stop: bool = False, lean_depth: bool = False, live: bool = False, steady_run: int = 1,
-                 confirm: bool = False, far_loss: float = 0.1, far_probe_every: int | None = None):
+                 confirm: bool = False, far_loss: float = 0.1, far_probe_every: int | None = None,
+                 price_context: bool = True):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -168,15 +174,30 @@ class AsyncPolicy:
         if far_probe_every < max_probe_every:
             raise ValueError(f"need far_probe_every >= max_probe_every = {max_probe_every}, got {far_probe_every}")
         self.far_loss, self.far_probe_every = far_loss, far_probe_every
+        if price_context not in (0, 1):
+            raise ValueError(f"price_context must be a bool (0 or 1), got {price_context!r}")
+        self.prices_context = bool(price_context)  # prepare() takes the requests' mean context (see ``sps``)
         self.live = LiveProfile(sps) if live else None  # kept across reset(): it describes the machine
+        self._views: dict[tuple[int, int], SPS] = {}  # (id of the base profile, context) -> its priced view
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
         self.reset()
 
     @property
     def sps(self) -> SPS:
-        """The prices K is chosen by: the cached profile, or its live correction."""
-        return self._sps if self.live is None else self.live.current
+        """The prices K is chosen by: the cached profile, or its live correction, at the running requests' mean
+        context (rounded to ``CONTEXT_STEP`` tokens, so that K is re-priced every few dozen steps, not every step)
+        when the profile prices context: verifying a draft costs more the longer the context it attends to."""
+        base = self._sps if self.live is None else self.live.current
+        if not self._context or not hasattr(base, "at_context"):
+            return base
+        key = (id(base), self._context)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            view = self._views[key] = base.at_context(self._context)
+        return view
 
     def reset(self) -> None:
         # (step, confidences, their sorted survivals) of the last drafted steps: enough to pool `pool_steps` of
@@ -189,6 +210,7 @@ class AsyncPolicy:
         self._far_load = 0  # requests in the batch when the interval passed max_probe_every (0: it has not)
         self._confirmed: tuple = ()  # the thin pool the last confirming probe was run for
         self._planned = False
+        self._context = 0  # the running requests' mean context, rounded (0: not given)
         self._probing = False  # this step is a probe (drafts only `probe_requests` requests)
         # (pool steps, R, tracker ratio), the best K they priced, Θ_K / Θ_0, whether K + 1 could pay (lean_depth)
         self._memo: tuple = (None, 0, 1.0, True)
@@ -216,15 +238,17 @@ class AsyncPolicy:
                     break
         return tuple(steps), pool
 
-    def prepare(self, n_requests: int) -> bool:
-        """Fix K for the coming step (before drafting); returns whether the drafter should run."""
+    def prepare(self, n_requests: int, context: float | None = None) -> bool:
+        """Fix K for the coming step (before drafting); returns whether the drafter should run. ``context``: the
+        running requests' mean context in tokens (known before drafting, so it keeps K lossless)."""
+        self._context = 0 if not context else max(CONTEXT_STEP, CONTEXT_STEP * round(context / CONTEXT_STEP))
         pool_steps, c_old = self._old_confidences()
         ratio, confirm = 1.0, False
         if not c_old:
             self.last_capacity, self.last_ratio = None, None
         else:
             key = (pool_steps, n_requests, None if self.tracker is None else self.tracker.ratio,
-                   None if self.live is None else self.live.rebuilds)
+                   None if self.live is None else self.live.rebuilds, self._context)
             if key != self._memo[0]:  # while the drafter is skipped nothing changes: K is reused, not recomputed
                 shapes = [c.shape for c, _ in c_old]
                 if self.tracker is not None:  # scaled confidences: their survivals change too

@@ -27,6 +27,7 @@ import numpy as np
 from .profile import SpeedProfile
 
 SPS = Union[SpeedProfile, Callable[[object], object]]
+CONTEXT_STEP = 32  # tokens: the mean context a step is priced at is rounded to a multiple of this (fewer re-pricings)
 
 
 def as_confidences(c) -> np.ndarray:

@@ -1,6 +1,7 @@
 """The stateless policy objects (none / mtp1 / fixed-k, sync, threshold) and the error for a missing confidence head.
 
-Every policy has ``prepare(n_requests) -> bool`` (call before drafting a step: should the drafter run?) and
+Every policy has ``prepare(n_requests, context=None) -> bool`` (call before drafting a step: should the drafter
+run? ``context``, the running requests' mean context, is passed only to policies with ``prices_context``) and
 ``select(c, *, n_requests=None, gamma=None) -> lengths [R]`` where ``c`` is [R, γ] calibrated confidences, or
 None when the drafter did not run or has no confidence head. Policies that ignore confidences (none, mtp1,
 fixed) accept None as long as R and γ are given; the others raise ``ConfidenceRequiredError`` — e.g. for a
@@ -10,11 +11,11 @@ asynchronous scheduler is in ``async_policy.py``; names and factories in ``regis
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .policies import SPS, as_confidences, fixed_k, static_threshold, sync_prefix_schedule
+from .policies import CONTEXT_STEP, SPS, as_confidences, fixed_k, static_threshold, sync_prefix_schedule
 
 CONFIDENCE_FREE = ("none", "mtp1", "fixed")  # registry names whose policies ignore confidences (a test checks)
 
@@ -56,7 +57,7 @@ class FixedPolicy:
     def drafts(self) -> bool:  # plain decoding never runs the drafter (and never pays for it)
         return self.k > 0
 
-    def prepare(self, n_requests: int) -> bool:
+    def prepare(self, n_requests: int, context: float | None = None) -> bool:
         return self.drafts
 
     def draft_depth(self, gamma: int) -> int:
@@ -74,24 +75,38 @@ class _ChoosesAfterDrafting:
     needs_confidence = True
     drafts = True
 
-    def prepare(self, n_requests: int) -> bool:
+    def prepare(self, n_requests: int, context: float | None = None) -> bool:
         return True
 
 
-@dataclass(frozen=True)
+@dataclass
 class SyncPolicy(_ChoosesAfterDrafting):
-    """Paper Algorithm 1 (greedy with early stop); ``unsafe=True`` removes the early stop (biased output)."""
+    """Paper Algorithm 1 (greedy with early stop); ``unsafe=True`` removes the early stop (biased output).
+    Prices each step at the running requests' mean context when the profile prices context (``prepare``)."""
 
     sps: SPS
     unsafe: bool = False
     load_dependent = True  # the batch's confidences and the step's price set every request's length
+    prices_context = True
+    _priced: SPS | None = field(default=None, init=False, repr=False, compare=False)  # sps at this step's context
+    _views: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # context -> priced view
 
     @property
     def name(self) -> str:
         return "sync-unsafe" if self.unsafe else "sync"
 
+    def prepare(self, n_requests: int, context: float | None = None) -> bool:
+        if not context or not hasattr(self.sps, "at_context"):
+            self._priced = None
+            return True
+        rounded = CONTEXT_STEP * max(1, round(context / CONTEXT_STEP))
+        if rounded not in self._views:  # one view per context: the price caches key on the profile object
+            self._views[rounded] = self.sps.at_context(rounded)
+        self._priced = self._views[rounded]
+        return True
+
     def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:
-        return sync_prefix_schedule(need_confidences(self.name, c), self.sps, unsafe=self.unsafe)
+        return sync_prefix_schedule(need_confidences(self.name, c), self._priced or self.sps, unsafe=self.unsafe)
 
 
 @dataclass(frozen=True)

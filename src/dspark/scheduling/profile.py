@@ -23,16 +23,21 @@ Conventions
     then in k, linear above both (slopes clamped at >= 0). The per-request model above priced R one-token requests
     18-21 % too high on the dev CPU at R = 4 and 16 (the native attention kernel makes a one-token request nearly
     free), i.e. it made plain decoding look dearer than it is and speculation cheaper.
+  * Every table is measured with each request holding ``grid_context`` tokens of context. Attention over a longer
+    one costs more, and more per verified token than per request: each verified token's query reads the whole
+    context (on the dev CPU, SmolLM2, from 256 to 1,024 tokens of context: one request's 8-token step 19.6 → 26.5
+    ms, a 1-token step 13.6 → 15.5 ms; four requests' 8-token step 38.8 → 66.9 ms; /tmp-free numbers in
+    results/context-s26). So the grid is corrected linearly: step(B, R, L) = step(B, R) + (L − grid_context) ·
+    (context_request_s · R + context_token_s · B), L the running requests' mean context. ``at_context(L)`` is the
+    profile priced at L; without the two coefficients (older profiles, user tables) context is ignored.
 """
 
 from __future__ import annotations
 
-import functools
+import copy
 import platform
-import random
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -102,22 +107,6 @@ def _interp(x, xs: np.ndarray, ys: np.ndarray, linear_above: bool):
     return float(y) if y.ndim == 0 else y
 
 
-def _samples_per_round(fn: Callable[[int], object], n: int, warmup: int, min_seconds: float, cap: int,
-                       timer: Callable[[], float]) -> int:
-    """Run ``fn(n)`` ``warmup`` times (at least twice when sampling by time); how many samples of it fit in
-    ``min_seconds`` (1..cap), judged by the fastest warm-up call: the first call of a job is often its slowest
-    (one 30 ms step's took 50 ms and left it a single sample per round)."""
-    calls = max(warmup, 2) if min_seconds > 0 else warmup
-    fastest = float("inf")
-    for _ in range(calls):
-        t0 = timer()
-        fn(n)
-        fastest = min(fastest, timer() - t0)
-    if min_seconds <= 0:
-        return 1
-    return int(min(cap, max(1, min_seconds // max(fastest, 1e-9))))
-
-
 @dataclass(frozen=True)
 class SpeedProfile:
     tokens: tuple[int, ...]  # [P] verified-token counts B, strictly increasing
@@ -142,6 +131,12 @@ class SpeedProfile:
     prefill_requests: tuple[int, ...] = ()  # [Pr]
     prefill_tokens: tuple[int, ...] = ()  # [Pp]
     prefill_seconds: tuple[tuple[float, ...], ...] = ()  # [Pr][Pp]
+    # Context: the tables were measured at grid_context tokens per request; each context token more costs
+    # context_request_s per request and context_token_s per verified token (0, 0: context not priced).
+    grid_context: int = 0
+    context_request_s: float = 0.0
+    context_token_s: float = 0.0
+    context: float = 0.0  # the mean context this profile prices at (0: grid_context); see at_context
     # Cached numpy views, so sps() on a hot path does not rebuild arrays each call.
     _t: np.ndarray = field(init=False, repr=False, compare=False)
     _s: np.ndarray = field(init=False, repr=False, compare=False)
@@ -168,6 +163,11 @@ class SpeedProfile:
                              f"{self.segment_seconds!r}, {self.tokens_per_segment!r}")
         self._check_grid()
         self._check_prefill()
+        if self.grid_context < 0 or self.context < 0 or not all(
+                np.isfinite(x) and x >= 0 for x in (self.context_request_s, self.context_token_s)):
+            raise ValueError(f"grid_context, context and the context coefficients must be finite and >= 0, got "
+                             f"{self.grid_context!r}, {self.context!r}, {self.context_request_s!r}, "
+                             f"{self.context_token_s!r}")
         object.__setattr__(self, "_t", np.asarray(self.tokens, dtype=np.float64))
         object.__setattr__(self, "_s", np.asarray(self.seconds, dtype=np.float64))
 
@@ -210,7 +210,7 @@ class SpeedProfile:
         ps = np.asarray(self.prefill_tokens, dtype=np.float64)
         extras = []
         for r, row in zip(self.prefill_requests, self.prefill_seconds):
-            base = float(self.step_s(r, n_requests=r)) if r else 0.0
+            base = float(self._table_step_s(r, n_requests=r)) if r else 0.0
             extras.append(_interp(prompt, ps, np.asarray(row) - base, self.extrapolate == "linear"))
         return float(max(0.0, np.interp(n_requests, self.prefill_requests, extras)))
 
@@ -230,7 +230,39 @@ class SpeedProfile:
         t = np.maximum(t, s.min())  # never cheaper than the cheapest step measured
         return float(t) if np.ndim(t) == 0 else t
 
+    @property
+    def prices_context(self) -> bool:
+        return self.grid_context > 0 and (self.context_request_s > 0 or self.context_token_s > 0)
+
+    def at_context(self, context: float) -> "SpeedProfile":
+        """This profile pricing every step at a mean context of ``context`` tokens per request (itself when it
+        does not price context). A shallow copy: the tables are shared, nothing is validated again."""
+        if not self.prices_context or context == self.context:
+            return self
+        view = copy.copy(self)
+        object.__setattr__(view, "context", float(context))
+        return view
+
+    def _context_extra_s(self, n_tokens, n_requests):
+        """Seconds the mean context adds to a step over the grid's (negative below grid_context)."""
+        longer = self.context - self.grid_context
+        r = np.asarray(n_requests if n_requests is not None else np.maximum(
+            1, np.asarray(n_tokens) // max(1, self.tokens_per_segment or 1)), dtype=np.float64)
+        return longer * (self.context_request_s * r + self.context_token_s * np.asarray(n_tokens, dtype=np.float64))
+
     def step_s(self, n_tokens, n_requests=None, prefill: Sequence[int] = ()):
+        """Seconds of one verify step (see ``_table_step_s``) at this profile's mean context."""
+        t = self._table_step_s(n_tokens, n_requests, prefill)
+        if not self.context or not self.prices_context:
+            return t
+        if n_requests is not None and not n_requests:  # prompt chunks alone: their own table prices them
+            return t
+        # Only the decoding part's context is priced: a prompt chunk's own context is part of its table's price.
+        # Below grid_context a step gets cheaper, but never below half its table price.
+        t = np.maximum(t + self._context_extra_s(n_tokens, n_requests), 0.5 * np.asarray(t))
+        return float(t) if np.ndim(t) == 0 else t
+
+    def _table_step_s(self, n_tokens, n_requests=None, prefill: Sequence[int] = ()):
         """Seconds of one verify step over B tokens (scalar or array [n]), shared by ``n_requests`` requests when
         given (else by as many as the table was measured with); from the grid when there is one. ``prefill``: the
         prompt chunks of new requests riding in the same step (scalar B and R only), priced by the prefill table
@@ -238,9 +270,9 @@ class SpeedProfile:
         128-token prompt beside 8 decoding requests 1.38x its cost: scripts/prefill_cost.py)."""
         if len(prefill):
             if not self.prefill_seconds:
-                return self.step_s(n_tokens + sum(prefill), n_requests=(n_requests or 0) + len(prefill))
+                return self._table_step_s(n_tokens + sum(prefill), n_requests=(n_requests or 0) + len(prefill))
             decoding = int(n_requests if n_requests is not None else 0)
-            base = float(self.step_s(n_tokens, n_requests)) if decoding else 0.0
+            base = float(self._table_step_s(n_tokens, n_requests)) if decoding else 0.0
             return base + sum(self.prefill_extra_s(p, decoding) for p in prefill)
         if n_requests is not None and self.grid_seconds:
             return self._grid_step_s(n_tokens, n_requests)
@@ -279,118 +311,3 @@ class SpeedProfile:
         return 1.0 / t
 
     __call__ = sps  # a SpeedProfile can be passed wherever an SPS callable is expected
-
-
-def measure_profile(
-    step_fn: Callable[[int], object],
-    token_counts: Iterable[int],
-    repeats: int = 5,
-    *,
-    warmup: int = 1,
-    draft_fn: Callable[[int], object] | None = None,
-    shallow_draft_fn: Callable[[int], object] | None = None,
-    draft_depth: int = 0,
-    request_counts: Iterable[int] = (),
-    one_segment_fn: Callable[[int], object] | None = None,
-    tokens_per_segment: int = 0,
-    grid_fn: Callable[[int, int], object] | None = None,
-    grid_requests: Iterable[int] = (),
-    grid_tokens: Iterable[int] = (),
-    prefill_fn: Callable[[int, int], object] | None = None,
-    prefill_requests: Iterable[int] = (),
-    prefill_tokens: Iterable[int] = (),
-    key: ProfileKey | None = None,
-    timer: Callable[[], float] = time.perf_counter,
-    min_job_seconds: float = 0.0,
-    max_samples_per_round: int = 4,
-    shuffle_seed: int | None = None,
-    table_cell: Callable[[int], tuple[int, int] | None] | None = None,
-) -> SpeedProfile:
-    """Time ``step_fn(B)`` for each B (median of ``repeats`` after ``warmup`` untimed calls).
-
-    ``step_fn`` must run one complete verify step over B tokens *and wait for it* (on a GPU: synchronise), since
-    we time the call from outside. The median, not the mean, because one page fault or GC pause must not make a
-    table point look twice as slow. The repeats are interleaved — round r times every B once — because a
-    shared machine changes speed for seconds at a time (up to 1.44x between blocks on the dev VM): timed back to
-    back, a slow phase lands on some points and not others and bends the curve the scheduler trusts.
-
-    With ``one_segment_fn`` (the same B tokens as one request) and the ``tokens_per_segment`` split ``step_fn``
-    uses, the largest B is timed both ways too, giving ``segment_seconds``: what one more request costs.
-    With ``shallow_draft_fn`` (one drafting step at depth 1) and the full depth ``draft_depth`` of ``draft_fn``,
-    drafting is timed at both depths (in the same rounds as the target's steps), so the scheduler can price
-    shallow drafting.
-    With ``grid_fn(R, k)`` (R requests verifying k tokens each) every ``grid_requests`` × ``grid_tokens`` pair is
-    timed too, interleaved with the table, giving the grid ``step_s`` prefers.
-    With ``min_job_seconds`` a job cheaper than that is timed up to ``max_samples_per_round`` times per round
-    (as many as fit, judged by its warm-up calls), in sub-rounds over all such jobs: the cheap one-request
-    steps are the ones whose ratios decide whether drafting pays at low load, and 9 samples of a 30 ms step left
-    the same step priced 36 and 44 ms in two cells of one profile, and a 2-token step 1.23x a 1-token one where
-    the engine ran it at ~1.12x (scripts/step_order_cost.py).
-    With ``shuffle_seed`` each (sub-)round visits its jobs in a fresh seeded random order: a step's time may
-    depend on the step before it (0.99-1.17x after a 32 x 8-token step, scripts/step_order_cost.py), and in a
-    fixed order each job always follows the same neighbour, a bias no number of repeats would remove.
-    With ``prefill_fn(R, P)`` (a P-token prompt chunk beside R requests decoding one token each) every
-    ``prefill_requests`` × ``prefill_tokens`` pair is timed too, giving the prefill table ``step_s`` prices new
-    requests' prompts by.
-    ``table_cell(B)`` names the grid cell (R, k) that runs the same step as ``step_fn(B)``, if any; such table
-    points are read from the grid instead of being timed twice.
-    """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if not (min_job_seconds >= 0) or max_samples_per_round < 1:
-        raise ValueError(f"min_job_seconds must be >= 0 and max_samples_per_round >= 1, got {min_job_seconds!r}, "
-                         f"{max_samples_per_round!r}")
-
-    def median_times(jobs: list[tuple[Callable[[int], object], int]]) -> list[float]:
-        reps = [_samples_per_round(fn, n, warmup, min_job_seconds, max_samples_per_round, timer) for fn, n in jobs]
-        times: list[list[float]] = [[] for _ in jobs]
-        rng = random.Random(shuffle_seed)
-        for _ in range(repeats):
-            for sub in range(max(reps)):  # sub-rounds keep a cheap job's extra samples spread over the round
-                visit = [j for j, k in enumerate(reps) if sub < k]
-                if shuffle_seed is not None:
-                    rng.shuffle(visit)
-                for j in visit:
-                    fn, n = jobs[j]
-                    t0 = timer()
-                    fn(n)
-                    times[j].append(timer() - t0)
-        return [float(np.median(ts)) for ts in times]
-
-    tokens = sorted({int(b) for b in token_counts})
-    segments = max(1, tokens[-1] // tokens_per_segment) if tokens_per_segment else 1
-    split_both = one_segment_fn is not None and segments > 1
-    g_req = sorted({int(r) for r in grid_requests}) if grid_fn is not None else []
-    g_tok = sorted({int(k) for k in grid_tokens}) if g_req else []
-    grid_jobs = [(functools.partial(grid_fn, r), k) for r in g_req for k in g_tok]
-    p_req = sorted({int(r) for r in prefill_requests}) if prefill_fn is not None else []
-    p_tok = sorted({int(p) for p in prefill_tokens}) if p_req else []
-    prefill_jobs = [(functools.partial(prefill_fn, r), p) for r in p_req for p in p_tok]
-    reqs: list[int] = sorted({int(r) for r in request_counts}) if draft_fn is not None else []
-    shallow = shallow_draft_fn is not None and draft_fn is not None and draft_depth >= 2
-    draft_jobs = [(draft_fn, r) for r in reqs] + ([(shallow_draft_fn, r) for r in reqs] if shallow else [])
-    # Drafting is timed in the same rounds as the target's steps: the scheduler weighs one against the other, so
-    # a slow phase must not land on one block of them only; and each proposal then follows a target forward, as
-    # in the engine, where the target has just pushed the drafter's weights out of the caches.
-    # A table point that is the same step as a grid cell (one request of B tokens is cell (1, B)) takes that
-    # cell's samples rather than being timed again: half the table duplicated the grid, in twice the time.
-    cells = {rk: i for i, rk in enumerate((r, k) for r in g_req for k in g_tok)}
-    same = {b: cells.get(table_cell(b)) for b in tokens} if table_cell is not None else {}
-    own = [b for b in tokens if same.get(b) is None]
-    t = median_times([(step_fn, b) for b in own] + ([(one_segment_fn, tokens[-1])] if split_both else [])
-                     + grid_jobs + prefill_jobs + draft_jobs)
-    own_s, t = dict(zip(own, t[:len(own)])), t[len(own):]
-    one_request, t = (t[0] if split_both else 0.0), t[int(split_both):]
-    grid_flat, t = t[:len(grid_jobs)], t[len(grid_jobs):]
-    prefill_flat, t = t[:len(prefill_jobs)], t[len(prefill_jobs):]
-    dsec, shallow_sec = t[:len(reqs)], t[len(reqs):]
-    seconds = [own_s[b] if same.get(b) is None else grid_flat[same[b]] for b in tokens]
-    grid = tuple(tuple(grid_flat[i * len(g_tok):(i + 1) * len(g_tok)]) for i in range(len(g_req)))
-    seg_s = max(0.0, (seconds[-1] - one_request) / (segments - 1)) if split_both else 0.0
-    return SpeedProfile(tuple(tokens), tuple(seconds), tuple(reqs), tuple(dsec), key=key, source="measured",
-                        segment_seconds=seg_s, tokens_per_segment=tokens_per_segment if split_both else 0,
-                        shallow_draft_seconds=tuple(shallow_sec), draft_depth=draft_depth if shallow else 0,
-                        grid_requests=tuple(g_req), grid_tokens=tuple(g_tok), grid_seconds=grid,
-                        prefill_requests=tuple(p_req), prefill_tokens=tuple(p_tok),
-                        prefill_seconds=tuple(tuple(prefill_flat[i * len(p_tok):(i + 1) * len(p_tok)])
-                                              for i in range(len(p_req))))

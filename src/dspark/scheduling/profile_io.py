@@ -22,10 +22,10 @@ from ._jsonio import FileFormatError, check_header, read_json, write_json_atomic
 from .profile import ProfileKey, SpeedProfile
 
 FORMAT = "dspark.speed_profile"
-VERSION = 10  # 2: segment_seconds / tokens_per_segment; 3: shallow_draft_seconds / draft_depth; 4: the (R, k)
+VERSION = 11  # 2: segment_seconds / tokens_per_segment; 3: shallow_draft_seconds / draft_depth; 4: the (R, k)
 # grid; 5: drafting timed in the same rounds as the target's steps; 6: cheap steps sampled more, rounds shuffled;
 # 7: grid k = 1, 2, 3, 4, 5, 8; 8: oneDNN rows 9-32 padded to a multiple of 4, not 16; 9: rows past 32 padded by
-# under 1/8, not to a multiple of 16 or 128; 10: the prefill table (older: re-measured)
+# under 1/8, not to a multiple of 16 or 128; 10: the prefill table (older: re-measured); 11: context prices
 
 
 class ProfileFormatError(FileFormatError):
@@ -53,6 +53,9 @@ def profile_to_dict(p: SpeedProfile) -> dict:
         "prefill_requests": list(p.prefill_requests),
         "prefill_tokens": list(p.prefill_tokens),
         "prefill_seconds": [list(row) for row in p.prefill_seconds],
+        "grid_context": p.grid_context,
+        "context_request_s": p.context_request_s,
+        "context_token_s": p.context_token_s,
     }
 
 
@@ -78,6 +81,9 @@ def profile_from_dict(obj: dict, path: str | os.PathLike = "<dict>") -> SpeedPro
             prefill_requests=tuple(obj.get("prefill_requests", ())),
             prefill_tokens=tuple(obj.get("prefill_tokens", ())),
             prefill_seconds=tuple(tuple(row) for row in obj.get("prefill_seconds", ())),
+            grid_context=int(obj.get("grid_context", 0)),
+            context_request_s=float(obj.get("context_request_s", 0.0)),
+            context_token_s=float(obj.get("context_token_s", 0.0)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ProfileFormatError(f"{path}: invalid speed profile: {e}") from e

@@ -89,11 +89,15 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
         emit = np.zeros(remaining.size, dtype=np.int64)
         emit[~decoding & (take == prefill)] = 1  # the step that ends a prompt yields its first token
         b, drafted, depth, n_drafted = n_dec + int(take.sum()), False, gamma, 0
+        priced = profile  # priced at the decoding requests' mean context when there are any
         if n_dec:  # like the engine: no decoding requests, no policy call
             # Draw rounds even when the drafter is skipped, so policies run with one seed see the same draws.
             rounds = rng.integers(len(traces), size=n_dec)
             conf, n_acc = traces.conf[rounds], traces.n_acc[rounds]  # [R_dec, γ], [R_dec]
-            drafted = policy.prepare(n_dec)  # decided before drafting, as an engine must
+            context = float(reqs.context[decoding].mean())  # the decoding requests' mean context
+            priced = profile.at_context(context)
+            drafted = (policy.prepare(n_dec, context=context) if getattr(policy, "prices_context", False)
+                       else policy.prepare(n_dec))  # decided before drafting, as an engine must
             depth = policy.draft_depth(gamma) if drafted and hasattr(policy, "draft_depth") else gamma
             conf, n_acc = conf[:, :depth], np.minimum(n_acc, depth)  # drafted shallower: fewer slots exist
             n_drafted = policy.requests_to_draft(n_dec) if drafted and hasattr(policy, "requests_to_draft") else n_dec
@@ -111,7 +115,7 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
             sum_emit += int(emit[decoding].sum())
             request_steps += n_dec
         chunks = [int(x) for x in take[take > 0]]  # prompt chunks riding in this step, priced as prefill
-        dt = float(profile.step_s(b - sum(chunks), n_requests=n_dec, prefill=chunks)) + (
+        dt = float(priced.step_s(b - sum(chunks), n_requests=n_dec, prefill=chunks)) + (
             float(profile.draft_s(n_drafted, depth)) if drafted else 0.0)
         t += dt
         busy += remaining.size * dt

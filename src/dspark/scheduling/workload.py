@@ -4,7 +4,8 @@
 sweeps) or, with ``requests_per_client``, the benchmark's cell: C clients starting cold together and replacing
 each finished request until C × that many have been sent, the cell ending with the last one (the drain with fewer
 than C running is part of what `dspark bench serve` measures). ``Poisson`` is an open loop. ``Requests`` is the
-state a run carries: per running request, the tokens it still has to emit and the prompt tokens still to prefill.
+state a run carries: per running request, the tokens it still has to emit, the prompt tokens still to prefill and
+the tokens of context it holds (what attention costs grow with).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ Arrival = Union[ClosedLoop, Poisson]
 
 class Requests:
     """The running requests of one simulated run, in arrival order: ``remaining`` [R] tokens to emit,
-    ``prefill`` [R] prompt tokens still to prefill. Lengths come from their own seeded stream, so the simulator's
+    ``prefill`` [R] prompt tokens still to prefill, ``context`` [R] prompt and output tokens so far (whole prompts:
+    a decoding request's context is what it is priced at). Lengths come from their own seeded stream, so the simulator's
     round draws stay aligned across policies."""
 
     def __init__(self, arrival: Arrival, rng: np.random.Generator, seed: int = 0):
@@ -68,10 +70,12 @@ class Requests:
             # Steady state: staggered remaining lengths, else all C requests finish in lockstep waves.
             self.remaining = rng.integers(1, arrival.output_tokens + 1, size=arrival.concurrency)
             self.prefill = np.zeros(arrival.concurrency, dtype=np.int64)
+            self.context = int(mix.mean()) + arrival.output_tokens - self.remaining  # mid-decode
         elif self.closed:  # the benchmark's cold start: every client sends its first request at once
             self.remaining, self.prefill = self._new(arrival.concurrency)
+            self.context = self.prefill.copy()
         else:
-            self.remaining = self.prefill = np.empty(0, dtype=np.int64)
+            self.remaining = self.prefill = self.context = np.empty(0, dtype=np.int64)
         self._sent = self.remaining.size
         self._arrivals = (np.cumsum(rng.exponential(1.0 / arrival.rate, size=arrival.n_requests))
                           if not self.closed else np.empty(0))
@@ -96,6 +100,7 @@ class Requests:
         lengths, prompts = self._new(n_new)
         self.remaining = np.concatenate([self.remaining, lengths])
         self.prefill = np.concatenate([self.prefill, prompts])
+        self.context = np.concatenate([self.context, prompts])
         self._joined += n_new
         if self.remaining.size:
             return t
@@ -107,13 +112,15 @@ class Requests:
         replaced (closed loop, while their client has requests left) or leave. Returns how many finished."""
         self.prefill = self.prefill - took
         self.remaining = self.remaining - got
+        self.context = self.context + got
         done = self.remaining == 0
         keep = ~done
         if self.closed:  # the first finished requests are replaced while the budget lasts
             n_again = int(done.sum()) if not self._budget else min(int(done.sum()), self._budget - self._sent)
             again = np.flatnonzero(done)[:n_again]
             self.remaining[again], self.prefill[again] = self._new(n_again)
+            self.context[again] = self.prefill[again]
             self._sent += n_again
             keep[again] = True
-        self.remaining, self.prefill = self.remaining[keep], self.prefill[keep]
+        self.remaining, self.prefill, self.context = self.remaining[keep], self.prefill[keep], self.context[keep]
         return int(done.sum())
