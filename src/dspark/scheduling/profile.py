@@ -25,11 +25,13 @@ Conventions
     free), i.e. it made plain decoding look dearer than it is and speculation cheaper.
   * Every table is measured with each request holding ``grid_context`` tokens of context. Attention over a longer
     one costs more, and more per verified token than per request: each verified token's query reads the whole
-    context (on the dev CPU, SmolLM2, from 256 to 1,024 tokens of context: one request's 8-token step 19.6 → 26.5
-    ms, a 1-token step 13.6 → 15.5 ms; four requests' 8-token step 38.8 → 66.9 ms; /tmp-free numbers in
+    context (dev CPU, SmolLM2, from 256 to 2,048 tokens of context: one request's 8-token step 18.3 → 34.8 ms, a
+    1-token step 11.1 → 13.9 ms, four requests' 8-token step 41.0 → 106.2 ms; scripts/context_cost.py,
     results/context-s26). So the grid is corrected linearly: step(B, R, L) = step(B, R) + (L − grid_context) ·
-    (context_request_s · R + context_token_s · B), L the running requests' mean context. ``at_context(L)`` is the
-    profile priced at L; without the two coefficients (older profiles, user tables) context is ignored.
+    (context_request_s · R + context_token_s · B), L the running requests' mean context; measured at 1,024 tokens,
+    it prices those steps within 0.95–1.04 of their time from 64 to 2,048 tokens, where the grid alone was off by
+    0.83–2.59×. ``at_context(L)`` is the profile priced at L; without the two coefficients (older profiles, user
+    tables) context is ignored.
 """
 
 from __future__ import annotations
