@@ -77,6 +77,18 @@ def test_measure_profile_times_context_cells_in_the_same_rounds_and_fits_them():
     assert not none.prices_context
 
 
+def test_live_prices_compare_a_step_with_its_price_at_its_context():
+    from dspark.scheduling.live_profile import LiveProfile
+
+    live = LiveProfile(CTX, min_samples=2)
+    for _ in range(4):  # steps at 1,256 tokens of context taking exactly their context price: no drift
+        live.observe_forward(8, 1, CTX.at_context(1256).step_s(8, 1), context=1256)
+    assert live.factor("verify") == pytest.approx(1.0) and live.current is CTX
+    for _ in range(4):  # the same steps judged at the grid's context would have looked like a slower machine
+        live.observe_forward(8, 1, CTX.at_context(1256).step_s(8, 1))
+    assert live.factor("verify") > 1.5
+
+
 def _history(pol, c, n, context):
     for _ in range(2):
         assert pol.prepare(n, context=context)
@@ -122,3 +134,48 @@ def test_the_simulator_prices_steps_at_the_requests_contexts():
     asy = {p: simulate(CTX, tr, AsyncPolicy(CTX, min_gain=0.0),
                        ClosedLoop(2, output_tokens=64, requests_per_client=4, prompt_mix=(p,))) for p in (64, 3000)}
     assert asy[3000].mean_budget < asy[64].mean_budget
+
+
+def test_a_later_prompt_chunk_pays_for_attending_to_the_chunks_before_it(tmp_path):
+    later = SpeedProfile((1, 32), (0.011, 0.040), grid_requests=(1, 4), grid_tokens=(1, 2, 8), grid_seconds=GRID,
+                         prefill_requests=(0, 4), prefill_tokens=(16, 512), key=KEY,
+                         prefill_seconds=((0.02, 0.38), (0.03, 0.40)), prefill_context_s=0.5e-6)
+    first = later.step_s(0, n_requests=0, prefill=(512,))
+    assert later.step_s(0, n_requests=0, prefill=((512, 0),)) == first == pytest.approx(0.38)
+    assert later.step_s(0, n_requests=0, prefill=((512, 1024),)) == pytest.approx(0.38 + 0.5e-6 * 512 * 1024)
+    assert later.step_s(4, n_requests=4, prefill=((512, 512), 16)) == pytest.approx(
+        later.step_s(4, n_requests=4, prefill=(512, 16)) + 0.5e-6 * 512 * 512)
+    assert load_cached_profile(save_profile(later, tmp_path / "p.json"), KEY).prefill_context_s == 0.5e-6
+
+
+def test_measure_profile_prices_a_later_prompt_chunk_against_the_same_chunk_from_the_start():
+    clock = {"now": 0.0}
+
+    def job(cost):
+        def run(*args):
+            clock["now"] += cost(*args)
+        return run
+
+    prof = measure_profile(job(lambda b: 1e-3 * b), [1], repeats=2, warmup=0,
+                           prefill_fn=job(lambda r, p: 1e-3 * (r + p)), prefill_requests=[0, 8],
+                           prefill_tokens=[16, 512], prefill_context_fn=job(lambda p: 1e-3 * p + 0.4e-6 * p * 1024),
+                           prefill_context_at=(512, 1024), timer=lambda: clock["now"])
+    assert prof.prefill_context_s == pytest.approx(0.4e-6)
+    without = measure_profile(job(lambda b: 1e-3 * b), [1], repeats=1, warmup=0,
+                              prefill_context_fn=job(lambda p: 1.0), prefill_context_at=(512, 1024),
+                              timer=lambda: clock["now"])
+    assert without.prefill_context_s == 0  # no prefill table to compare the chunk with: not priced
+
+
+def test_the_simulator_prices_each_prompt_chunk_after_the_ones_before_it():
+    import dataclasses
+
+    tr = synthetic_traces(n_rounds=200, gamma=7, seed=0)
+    base = SpeedProfile((1, 32), (0.011, 0.040), grid_requests=(1, 4), grid_tokens=(1, 2, 8), grid_seconds=GRID,
+                        prefill_requests=(0, 4), prefill_tokens=(16, 512), key=KEY,
+                        prefill_seconds=((0.02, 0.38), (0.03, 0.40)))
+    later = dataclasses.replace(base, prefill_context_s=0.5e-6)
+    loop = ClosedLoop(1, output_tokens=8, requests_per_client=2, prompt_mix=(1536,))
+    a, b = (simulate(p, tr, FixedPolicy(0), loop, prefill_chunk=512) for p in (base, later))
+    # per request: chunks after 0, 512 and 1,024 prompt tokens; the later two pay 512 x (512 + 1,024) x 0.5 us
+    assert 16 / b.throughput_tps - 16 / a.throughput_tps == pytest.approx(2 * 0.5e-6 * 512 * 1536, rel=1e-6)

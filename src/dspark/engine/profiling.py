@@ -108,6 +108,22 @@ def context_step_fn(model: Transformer, context: int):
     return lambda r, k: run([k] * r)
 
 
+def prefill_at_fn(model: Transformer, start: int, longest: int = max(PREFILL_TOKENS)):
+    """run(P): one forward of a P-token prompt chunk alone (P <= ``longest``) that starts after ``start`` tokens of
+    its prompt (the next chunk of a long prompt: it attends to those too; 0: the first chunk)."""
+    cache = model.new_cache(start + longest + 8)
+    if start:
+        model.forward(torch.arange(start) % model.config.vocab_size, [Segment(cache, 0, start)],
+                      logit_rows=torch.tensor([start - 1]))
+
+    def run(prompt: int) -> None:
+        model.forward(torch.zeros(prompt, dtype=torch.long), [Segment(cache, start, prompt)],
+                      logit_rows=torch.tensor([prompt - 1]))
+        cache.truncate(start)
+
+    return run
+
+
 def prefill_step_fn(model: Transformer, caches=None, longest: int = 1024):
     """run(P, R): one forward of a P-token prompt chunk (a fresh cache) beside R requests decoding one token each,
     as the engine fuses a new request's prefill into a decoding step (R = 0: the prompt alone)."""
@@ -198,6 +214,11 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
         if prefill:
             extra.update(prefill_fn=_by_load(prefill_step_fn(model, caches)), prefill_requests=PREFILL_REQUESTS,
                          prefill_tokens=[p for p in PREFILL_TOKENS if p <= model.config.max_position])
+            chunk = max(p for p in PREFILL_TOKENS if p <= model.config.max_position)
+            if long_context(model) and long_context(model) + chunk + 8 <= model.config.max_position:
+                # the next chunk of a long prompt, after LONG_CONTEXT tokens of it
+                extra.update(prefill_context_fn=prefill_at_fn(model, long_context(model)),
+                             prefill_context_at=(chunk, long_context(model)))
         return measure_profile(target_step_fn(model, caches=caches), PROFILE_TOKENS, repeats=repeats, key=key,
                                one_segment_fn=target_step_fn(model, one_segment=True, caches=caches),
                                tokens_per_segment=TOKENS_PER_REQUEST, grid_fn=grid_step_fn(model, caches),

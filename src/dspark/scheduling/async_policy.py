@@ -348,7 +348,7 @@ class AsyncPolicy:
         ``forward_s``; the step's proposal (if ``drafted`` > 0 requests) drafted ``depth`` slots in ``draft_s``."""
         if self.live is None:
             return
-        self.live.observe_forward(n_tokens, n_requests, forward_s)
+        self.live.observe_forward(n_tokens, n_requests, forward_s, self._context if self.prices_context else 0)
         if drafted:
             self.live.observe_draft(drafted, depth, draft_s)
 

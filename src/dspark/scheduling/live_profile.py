@@ -59,7 +59,7 @@ def rescaled(profile: SpeedProfile, plain: float = 1.0, verify: float = 1.0, dra
     )
 
 
-def _cached(prices: dict[tuple[int, int], float], shape: tuple[int, int], price) -> float:
+def _cached(prices: dict[tuple, float], shape: tuple, price) -> float:
     """``price(*shape)`` as a float, computed once per shape."""
     if shape not in prices:
         prices[shape] = float(price(*shape))
@@ -110,12 +110,15 @@ class LiveProfile:
     def factors(self) -> dict[str, float]:
         return dict(self._factors)
 
-    def observe_forward(self, n_tokens: int, n_requests: int, seconds: float) -> None:
+    def observe_forward(self, n_tokens: int, n_requests: int, seconds: float, context: float = 0) -> None:
         """A target forward of ``n_requests`` requests verifying ``n_tokens`` tokens in all (anchors included)
-        that took ``seconds``; forwards with prefill in them are not what the profile prices: leave them out."""
+        that took ``seconds``, the requests holding ``context`` tokens of context on average (0: the profile's);
+        forwards with prefill in them are not what the profile prices: leave them out. The prediction is priced at
+        that context, so that long contexts are not mistaken for a slower machine (the policy prices them itself)."""
         if n_requests < 1 or n_tokens < n_requests:
             raise ValueError(f"a verify step has n_tokens >= n_requests >= 1, got {n_tokens}, {n_requests}")
-        predicted = _cached(self._step_price, (n_tokens, n_requests), self.base.step_s)
+        predicted = _cached(self._step_price, (n_tokens, n_requests, context),
+                            lambda b, r, ctx: self.base.at_context(ctx).step_s(b, r))
         self._add("plain" if n_tokens == n_requests else "verify", seconds, predicted)
 
     def observe_draft(self, n_requests: int, depth: int, seconds: float) -> None:

@@ -25,13 +25,16 @@ Conventions
     free), i.e. it made plain decoding look dearer than it is and speculation cheaper.
   * Every table is measured with each request holding ``grid_context`` tokens of context. Attention over a longer
     one costs more, and more per verified token than per request: each verified token's query reads the whole
-    context (dev CPU, SmolLM2, from 256 to 2,048 tokens of context: one request's 8-token step 18.3 → 34.8 ms, a
-    1-token step 11.1 → 13.9 ms, four requests' 8-token step 41.0 → 106.2 ms; scripts/context_cost.py,
+    context (dev CPU, SmolLM2, from 256 to 2,048 tokens of context: one request's 8-token step 18.7 → 35.5 ms, a
+    1-token step 11.6 → 14.6 ms, four requests' 8-token step 41.4 → 109.8 ms; scripts/context_cost.py,
     results/context-s26). So the grid is corrected linearly: step(B, R, L) = step(B, R) + (L − grid_context) ·
     (context_request_s · R + context_token_s · B), L the running requests' mean context; measured at 1,024 tokens,
-    it prices those steps within 0.95–1.04 of their time from 64 to 2,048 tokens, where the grid alone was off by
-    0.83–2.59×. ``at_context(L)`` is the profile priced at L; without the two coefficients (older profiles, user
-    tables) context is ignored.
+    it prices those steps at 1.01–1.13 of their time from 64 to 2,048 tokens, where the grid alone was off by
+    0.85–2.72×. ``at_context(L)`` is the profile priced at L; without the two coefficients (older profiles, user
+    tables) context is ignored. A prompt chunk's own context is priced apart (``prefill_context_s`` per chunk token
+    per token before it): prefill attention runs as large products, ~0.46 µs per pair on the dev CPU against the
+    decode steps' ~1.0–1.1 µs per verified token (a 512-token chunk after 1,536 tokens of its prompt: 758 ms
+    against 387 ms from the start, priced 746 with it and 386 without).
 """
 
 from __future__ import annotations
@@ -139,6 +142,9 @@ class SpeedProfile:
     context_request_s: float = 0.0
     context_token_s: float = 0.0
     context: float = 0.0  # the mean context this profile prices at (0: grid_context); see at_context
+    # A prompt chunk that starts after ``start`` tokens already prefilled attends to them too: seconds per chunk token
+    # per token before it (0: not priced; the prefill table measured chunks that start at 0).
+    prefill_context_s: float = 0.0
     # Cached numpy views, so sps() on a hot path does not rebuild arrays each call.
     _t: np.ndarray = field(init=False, repr=False, compare=False)
     _s: np.ndarray = field(init=False, repr=False, compare=False)
@@ -165,8 +171,8 @@ class SpeedProfile:
                              f"{self.segment_seconds!r}, {self.tokens_per_segment!r}")
         self._check_grid()
         self._check_prefill()
-        if self.grid_context < 0 or self.context < 0 or not all(
-                np.isfinite(x) and x >= 0 for x in (self.context_request_s, self.context_token_s)):
+        if self.grid_context < 0 or self.context < 0 or not all(np.isfinite(x) and x >= 0 for x in (
+                self.context_request_s, self.context_token_s, self.prefill_context_s)):
             raise ValueError(f"grid_context, context and the context coefficients must be finite and >= 0, got "
                              f"{self.grid_context!r}, {self.context!r}, {self.context_request_s!r}, "
                              f"{self.context_token_s!r}")
@@ -252,8 +258,9 @@ class SpeedProfile:
             1, np.asarray(n_tokens) // max(1, self.tokens_per_segment or 1)), dtype=np.float64)
         return longer * (self.context_request_s * r + self.context_token_s * np.asarray(n_tokens, dtype=np.float64))
 
-    def step_s(self, n_tokens, n_requests=None, prefill: Sequence[int] = ()):
-        """Seconds of one verify step (see ``_table_step_s``) at this profile's mean context."""
+    def step_s(self, n_tokens, n_requests=None, prefill: Sequence = ()):
+        """Seconds of one verify step (see ``_table_step_s``) at this profile's mean context. A ``prefill`` chunk is
+        P tokens, or (P, start) for one that starts after ``start`` tokens of its prompt already prefilled."""
         t = self._table_step_s(n_tokens, n_requests, prefill)
         if not self.context or not self.prices_context:
             return t
@@ -264,18 +271,21 @@ class SpeedProfile:
         t = np.maximum(t + self._context_extra_s(n_tokens, n_requests), 0.5 * np.asarray(t))
         return float(t) if np.ndim(t) == 0 else t
 
-    def _table_step_s(self, n_tokens, n_requests=None, prefill: Sequence[int] = ()):
+    def _table_step_s(self, n_tokens, n_requests=None, prefill: Sequence = ()):
         """Seconds of one verify step over B tokens (scalar or array [n]), shared by ``n_requests`` requests when
         given (else by as many as the table was measured with); from the grid when there is one. ``prefill``: the
         prompt chunks of new requests riding in the same step (scalar B and R only), priced by the prefill table
         when there is one, else as one more request of that many tokens each (on the dev CPU that priced a
         128-token prompt beside 8 decoding requests 1.38x its cost: scripts/prefill_cost.py)."""
         if len(prefill):
+            chunks = [(int(c), 0) if np.ndim(c) == 0 else (int(c[0]), int(c[1])) for c in prefill]
+            later = sum(self.prefill_context_s * p * start for p, start in chunks)  # attention to earlier chunks
             if not self.prefill_seconds:
-                return self._table_step_s(n_tokens + sum(prefill), n_requests=(n_requests or 0) + len(prefill))
+                return later + self._table_step_s(n_tokens + sum(p for p, _ in chunks),
+                                                  n_requests=(n_requests or 0) + len(chunks))
             decoding = int(n_requests if n_requests is not None else 0)
             base = float(self._table_step_s(n_tokens, n_requests)) if decoding else 0.0
-            return base + sum(self.prefill_extra_s(p, decoding) for p in prefill)
+            return base + later + sum(self.prefill_extra_s(p, decoding) for p, _ in chunks)
         if n_requests is not None and self.grid_seconds:
             return self._grid_step_s(n_tokens, n_requests)
         t = _interp(n_tokens, self._t, self._s, self.extrapolate == "linear")

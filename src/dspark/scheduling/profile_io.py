@@ -56,6 +56,7 @@ def profile_to_dict(p: SpeedProfile) -> dict:
         "grid_context": p.grid_context,
         "context_request_s": p.context_request_s,
         "context_token_s": p.context_token_s,
+        "prefill_context_s": p.prefill_context_s,
     }
 
 
@@ -84,6 +85,7 @@ def profile_from_dict(obj: dict, path: str | os.PathLike = "<dict>") -> SpeedPro
             grid_context=int(obj.get("grid_context", 0)),
             context_request_s=float(obj.get("context_request_s", 0.0)),
             context_token_s=float(obj.get("context_token_s", 0.0)),
+            prefill_context_s=float(obj.get("prefill_context_s", 0.0)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ProfileFormatError(f"{path}: invalid speed profile: {e}") from e

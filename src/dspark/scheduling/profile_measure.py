@@ -52,6 +52,8 @@ def measure_profile(
     context_fn: Callable[[int, int], object] | None = None,
     context_cells: Iterable[tuple[int, int]] = (),
     context_tokens: tuple[int, int] = (0, 0),
+    prefill_context_fn: Callable[[int], object] | None = None,
+    prefill_context_at: tuple[int, int] = (0, 0),
     key: ProfileKey | None = None,
     timer: Callable[[], float] = time.perf_counter,
     min_job_seconds: float = 0.0,
@@ -88,6 +90,9 @@ def measure_profile(
     With ``context_fn(R, k)`` (grid cell (R, k) with every request holding ``context_tokens[1]`` tokens of context
     instead of the grid's ``context_tokens[0]``) the ``context_cells`` (grid cells) are timed at that context too,
     in the same rounds, and ``fit_context_cost`` turns the differences into the profile's context prices.
+    With ``prefill_context_fn(P)`` (a P-token prompt chunk alone, starting after ``prefill_context_at[1]`` tokens of
+    its prompt) the chunk of ``prefill_context_at`` = (P, start) is timed too; against the prefill table's chunk of
+    P alone (R = 0) it gives ``prefill_context_s``, the price of each chunk token per token before it.
     ``table_cell(B)`` names the grid cell (R, k) that runs the same step as ``step_fn(B)``, if any; such table
     points are read from the grid instead of being timed twice.
     """
@@ -124,6 +129,9 @@ def measure_profile(
     prefill_jobs = [(functools.partial(prefill_fn, r), p) for r in p_req for p in p_tok]
     c_cells = [(int(r), int(k)) for r, k in context_cells if r in g_req and k in g_tok] if context_fn else []
     context_jobs = [(functools.partial(context_fn, r), k) for r, k in c_cells]
+    p_at, p_start = (int(x) for x in prefill_context_at)
+    if prefill_context_fn is not None and 0 in p_req and p_at in p_tok and p_start > 0:
+        context_jobs.append((prefill_context_fn, p_at))
     reqs: list[int] = sorted({int(r) for r in request_counts}) if draft_fn is not None else []
     shallow = shallow_draft_fn is not None and draft_fn is not None and draft_depth >= 2
     draft_jobs = [(draft_fn, r) for r in reqs] + ([(shallow_draft_fn, r) for r in reqs] if shallow else [])
@@ -146,7 +154,10 @@ def measure_profile(
     seconds = [own_s[b] if same.get(b) is None else grid_flat[same[b]] for b in tokens]
     grid = tuple(tuple(grid_flat[i * len(g_tok):(i + 1) * len(g_tok)]) for i in range(len(g_req)))
     seg_s = max(0.0, (seconds[-1] - one_request) / (segments - 1)) if split_both else 0.0
-    per_request_s = per_token_s = 0.0
+    per_request_s = per_token_s = prefill_context_s = 0.0
+    if len(context_flat) > len(c_cells):  # the late prompt chunk against the same chunk from the start
+        alone = prefill_flat[p_req.index(0) * len(p_tok) + p_tok.index(p_at)]
+        prefill_context_s = max(0.0, (context_flat[-1] - alone) / (p_at * p_start))
     if c_cells and context_tokens[1] != context_tokens[0]:
         deltas = [long - grid_flat[cells[rk]] for rk, long in zip(c_cells, context_flat)]
         per_request_s, per_token_s = fit_context_cost(c_cells, deltas, context_tokens[1] - context_tokens[0])
@@ -158,7 +169,7 @@ def measure_profile(
                         prefill_seconds=tuple(tuple(prefill_flat[i * len(p_tok):(i + 1) * len(p_tok)])
                                               for i in range(len(p_req))),
                         grid_context=int(context_tokens[0]) if c_cells else 0, context_request_s=per_request_s,
-                        context_token_s=per_token_s)
+                        context_token_s=per_token_s, prefill_context_s=prefill_context_s)
 
 
 def fit_context_cost(cells: list[tuple[int, int]], deltas: list[float], more_context: int) -> tuple[float, float]:

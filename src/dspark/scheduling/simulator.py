@@ -7,8 +7,10 @@ drafting cost being skipped on steps where the policy's ``prepare`` says the dra
 the async scheduler at K = 0). Requests join and leave
 between steps (``workload.py``), with no batch-size cap. With prompts a new request first spends steps in prefill:
 its prompt rides in the same forward as the decoding requests (at most ``prefill_chunk`` prompt tokens per step,
-as the engine does), priced by the profile's prefill table, and its first token comes out of the step that
-finishes the prompt. Only model time is priced: an engine's own overhead (scheduling, sampling, streaming; 2-3 %
+as the engine does), priced by the profile's prefill table (a later chunk also by what attending to the chunks
+before it costs), and its first token comes out of the step that finishes the prompt. Decoding steps are priced at
+the decoding requests' mean context (prompt and tokens so far), and a policy that prices context is told it, as
+the engine tells it. Only model time is priced: an engine's own overhead (scheduling, sampling, streaming; 2-3 %
 of a step at C = 16 on the dev CPU) is not. Everything is
 seeded; policies compared with the same seed see the same round draws as long as their batches have the same size,
 which keeps comparisons between them low-noise.
@@ -114,8 +116,9 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
             sum_ell += int(ell.sum())
             sum_emit += int(emit[decoding].sum())
             request_steps += n_dec
-        chunks = [int(x) for x in take[take > 0]]  # prompt chunks riding in this step, priced as prefill
-        dt = float(priced.step_s(b - sum(chunks), n_requests=n_dec, prefill=chunks)) + (
+        # prompt chunks riding in this step, priced as prefill: (tokens, tokens of the prompt before them)
+        chunks = [(int(p), int(s)) for p, s in zip(take[take > 0], (reqs.context - reqs.prefill)[take > 0])]
+        dt = float(priced.step_s(b - sum(p for p, _ in chunks), n_requests=n_dec, prefill=chunks)) + (
             float(profile.draft_s(n_drafted, depth)) if drafted else 0.0)
         t += dt
         busy += remaining.size * dt
