@@ -14,27 +14,10 @@ of a later chunk.
 from __future__ import annotations
 
 import argparse
-import random
-import time
 from pathlib import Path
 
-import numpy as np
-
-from dspark.bench.common import machine_info, write_results
+from dspark.bench.common import machine_info, shuffled_medians, write_results
 from dspark.engine.profiling import _step_fn, _warm_caches, load_or_profile, prefill_at_fn, profile_key
-
-
-def time_jobs(jobs: dict, rounds: int) -> dict:
-    """Median seconds of each job over `rounds` shuffled rounds (one untimed warm-up round first)."""
-    times = {name: [] for name in jobs}
-    rng = random.Random(0)
-    for i in range(rounds + 1):
-        for name in rng.sample(list(jobs), len(jobs)):
-            t0 = time.perf_counter()
-            jobs[name]()
-            if i:
-                times[name].append(time.perf_counter() - t0)
-    return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
 def main() -> None:
@@ -66,7 +49,7 @@ def main() -> None:
     starts = [int(x) for x in args.starts.split(",")]
     for start in starts:
         jobs[("chunk", start)] = lambda run=prefill_at_fn(model, start, args.chunk): run(args.chunk)
-    measured = time_jobs(jobs, args.rounds)
+    measured = shuffled_medians(jobs, args.rounds)
     chunks = {key[1]: measured.pop(key) for key in [k for k in measured if k[0] == "chunk"]}
     rows, lines = [], []
     for (ctx, r, k), s in sorted(measured.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):

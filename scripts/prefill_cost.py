@@ -15,27 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 
-import numpy as np
-
-from dspark.bench.common import machine_info, write_results
+from dspark.bench.common import machine_info, shuffled_medians, write_results
 from dspark.engine.profiling import _step_fn, _warm_caches, prefill_step_fn
-
-
-def time_jobs(jobs: dict, rounds: int) -> dict:
-    """Median seconds of each job over `rounds` shuffled rounds (one untimed warm-up round first)."""
-    times = {name: [] for name in jobs}
-    rng = random.Random(0)
-    for i in range(rounds + 1):
-        for name in rng.sample(list(jobs), len(jobs)):
-            t0 = time.perf_counter()
-            jobs[name]()
-            if i:
-                times[name].append(time.perf_counter() - t0)
-    return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
 def profile_prices(profile, prompt: int, n_requests: int) -> tuple[float, float]:
@@ -75,7 +59,7 @@ def main() -> None:
     step, prefill = _step_fn(model, caches), prefill_step_fn(model, caches)
     jobs = {("decode", r): (lambda r=r: step([1] * r)) for r in requests if r}
     jobs.update({(p, r): (lambda p=p, r=r: prefill(p, r)) for p in prompts for r in requests})
-    t = time_jobs(jobs, args.rounds)
+    t = shuffled_medians(jobs, args.rounds)
     rows = []
     for p in prompts:
         for r in requests:

@@ -77,3 +77,20 @@ def bench_prompts(per_set: int, sets=("humaneval", "gsm8k", "mt-bench", "mbpp"))
                     break
                 out.append(json.loads(line)["turns"][0])
     return out
+
+
+class FakeClock:
+    """A timer for measure_profile tests: ``job(tag, cost)`` is a step function that advances the clock by
+    ``cost(*args)`` and records (tag, *args) in ``order``; call the clock itself for the time."""
+
+    def __init__(self):
+        self.now, self.order = 0.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def job(self, tag, cost):
+        def run(*args):
+            self.order.append((tag, *args))
+            self.now += cost(*args)
+        return run

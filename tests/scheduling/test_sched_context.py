@@ -3,6 +3,7 @@ step costs more the longer the running requests' contexts; the profile measures 
 step at the running requests' mean context, and the engine and the simulator tell them what it is."""
 import numpy as np
 import pytest
+from helpers import FakeClock
 
 from dspark.scheduling import (AsyncPolicy, ClosedLoop, FixedPolicy, ProfileKey, SpeedProfile, current_machine,
                                load_cached_profile, measure_profile, save_profile, simulate, synthetic_traces)
@@ -57,22 +58,15 @@ def test_fit_context_cost_recovers_the_coefficients_and_never_goes_negative():
 
 
 def test_measure_profile_times_context_cells_in_the_same_rounds_and_fits_them():
-    clock = {"now": 0.0, "order": []}
-
-    def job(tag, cost):
-        def run(*args):
-            clock["order"].append((tag, *args))
-            clock["now"] += cost(*args)
-        return run
-
+    clock = FakeClock()
+    job = clock.job
     prof = measure_profile(job("table", lambda b: 1e-3 * b), [1], repeats=2, warmup=0,
                            grid_fn=job("grid", lambda r, k: 1e-3 * r * k), grid_requests=[1, 4], grid_tokens=[1, 8],
                            context_fn=job("long", lambda r, k: 1e-3 * r * k + 1000 * (2e-6 * r + 3e-6 * r * k)),
-                           context_cells=[(1, 1), (4, 8), (2, 2)], context_tokens=(256, 1256),
-                           timer=lambda: clock["now"])
+                           context_cells=[(1, 1), (4, 8), (2, 2)], context_tokens=(256, 1256), timer=clock)
     assert prof.grid_context == 256 and prof.prices_context
     assert (prof.context_request_s, prof.context_token_s) == pytest.approx((2e-6, 3e-6))
-    assert [o for o in clock["order"] if o[0] == "long"] == [("long", 1, 1), ("long", 4, 8)] * 2  # grid cells only
+    assert [o for o in clock.order if o[0] == "long"] == [("long", 1, 1), ("long", 4, 8)] * 2  # grid cells only
     none = measure_profile(job("table", lambda b: 1e-3 * b), [1], repeats=1, warmup=0)
     assert not none.prices_context
 
@@ -149,21 +143,15 @@ def test_a_later_prompt_chunk_pays_for_attending_to_the_chunks_before_it(tmp_pat
 
 
 def test_measure_profile_prices_a_later_prompt_chunk_against_the_same_chunk_from_the_start():
-    clock = {"now": 0.0}
-
-    def job(cost):
-        def run(*args):
-            clock["now"] += cost(*args)
-        return run
-
-    prof = measure_profile(job(lambda b: 1e-3 * b), [1], repeats=2, warmup=0,
-                           prefill_fn=job(lambda r, p: 1e-3 * (r + p)), prefill_requests=[0, 8],
-                           prefill_tokens=[16, 512], prefill_context_fn=job(lambda p: 1e-3 * p + 0.4e-6 * p * 1024),
-                           prefill_context_at=(512, 1024), timer=lambda: clock["now"])
+    clock = FakeClock()
+    job = clock.job
+    prof = measure_profile(job("table", lambda b: 1e-3 * b), [1], repeats=2, warmup=0,
+                           prefill_fn=job("prefill", lambda r, p: 1e-3 * (r + p)), prefill_requests=[0, 8],
+                           prefill_tokens=[16, 512], prefill_context_at=(512, 1024), timer=clock,
+                           prefill_context_fn=job("later", lambda p: 1e-3 * p + 0.4e-6 * p * 1024))
     assert prof.prefill_context_s == pytest.approx(0.4e-6)
-    without = measure_profile(job(lambda b: 1e-3 * b), [1], repeats=1, warmup=0,
-                              prefill_context_fn=job(lambda p: 1.0), prefill_context_at=(512, 1024),
-                              timer=lambda: clock["now"])
+    without = measure_profile(job("table", lambda b: 1e-3 * b), [1], repeats=1, warmup=0, timer=clock,
+                              prefill_context_fn=job("later", lambda p: 1.0), prefill_context_at=(512, 1024))
     assert without.prefill_context_s == 0  # no prefill table to compare the chunk with: not priced
 
 

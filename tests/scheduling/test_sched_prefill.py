@@ -4,6 +4,7 @@ validating it, caching it, and the serving simulator pricing prompt chunks (and 
 
 import numpy as np
 import pytest
+from helpers import FakeClock
 
 from dspark.scheduling import (
     ClosedLoop,
@@ -69,22 +70,15 @@ def test_prefill_table_survives_the_cache(tmp_path):
 
 
 def test_measure_profile_times_the_prefill_table_in_the_same_rounds():
-    clock = {"now": 0.0, "order": []}
-
-    def job(tag, cost):
-        def run(*args):
-            clock["order"].append((tag, *args))
-            clock["now"] += cost(*args)
-        return run
-
-    prof = measure_profile(job("table", lambda b: 1e-3 * b), [1, 2], repeats=2, warmup=0,
-                           prefill_fn=job("prefill", lambda r, p: 1e-3 * (r + p)), prefill_requests=[8, 0],
-                           prefill_tokens=[64, 16], timer=lambda: clock["now"])
+    clock = FakeClock()
+    prof = measure_profile(clock.job("table", lambda b: 1e-3 * b), [1, 2], repeats=2, warmup=0,
+                           prefill_fn=clock.job("prefill", lambda r, p: 1e-3 * (r + p)), prefill_requests=[8, 0],
+                           prefill_tokens=[64, 16], timer=clock)
     assert prof.prefill_requests == (0, 8) and prof.prefill_tokens == (16, 64)
     np.testing.assert_allclose(prof.prefill_seconds, [[16e-3, 64e-3], [24e-3, 72e-3]])
     one_round = [("table", 1), ("table", 2), ("prefill", 0, 16), ("prefill", 0, 64), ("prefill", 8, 16),
                  ("prefill", 8, 64)]
-    assert clock["order"] == one_round * 2
+    assert clock.order == one_round * 2
 
 
 def test_simulator_prices_prompt_chunks_by_the_prefill_table():

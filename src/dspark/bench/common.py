@@ -1,11 +1,13 @@
-"""Shared pieces of the benchmarks: the benchmark prompt sets, machine facts, result writers."""
+"""Shared pieces of the benchmarks: the benchmark prompt sets, machine facts, result writers, shuffled timing."""
 from __future__ import annotations
 
 import datetime
 import json
 import os
 import platform
+import random
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -65,3 +67,18 @@ def write_results(out: Path, name: str, data: dict, markdown: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(data, indent=2))
     (out / f"{name}.md").write_text(markdown)
+
+
+def shuffled_medians(jobs: dict, rounds: int, seed: int = 0) -> dict:
+    """Median seconds of each job (a no-argument callable) over ``rounds`` rounds, each visiting every job once in a
+    fresh seeded order (one untimed warm-up round first): a slow phase of a shared machine then lands on every job
+    alike, and no job always follows the same neighbour."""
+    times = {name: [] for name in jobs}
+    rng = random.Random(seed)
+    for i in range(rounds + 1):
+        for name in rng.sample(list(jobs), len(jobs)):
+            t0 = time.perf_counter()
+            jobs[name]()
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return {name: float(statistics.median(ts)) for name, ts in times.items()}

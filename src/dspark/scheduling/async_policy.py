@@ -178,7 +178,7 @@ class AsyncPolicy:
             raise ValueError(f"price_context must be a bool (0 or 1), got {price_context!r}")
         self.prices_context = bool(price_context)  # prepare() takes the requests' mean context (see ``sps``)
         self.live = LiveProfile(sps) if live else None  # kept across reset(): it describes the machine
-        self._views: dict[tuple[int, int], SPS] = {}  # (id of the base profile, context) -> its priced view
+        self._views: dict[tuple[int, int], tuple] = {}  # (id of base profile, context) -> (base, priced view)
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
         self.reset()
@@ -192,12 +192,12 @@ class AsyncPolicy:
         if not self._context or not hasattr(base, "at_context"):
             return base
         key = (id(base), self._context)
-        view = self._views.get(key)
-        if view is None:
+        entry = self._views.get(key)
+        if entry is None or entry[0] is not base:  # the entry holds its base, so an id is never reused under it
             if len(self._views) > 256:
                 self._views.clear()
-            view = self._views[key] = base.at_context(self._context)
-        return view
+            entry = self._views[key] = (base, base.at_context(self._context))
+        return entry[1]
 
     def reset(self) -> None:
         # (step, confidences, their sorted survivals) of the last drafted steps: enough to pool `pool_steps` of
