@@ -177,6 +177,11 @@ def test_bench_serve_simulates_the_measured_cells(tiny, tmp_path, monkeypatch):
     assert len(seen) == len(cells) and all(loop.prompt_mix == (64, 40) and chunk == 512 for loop, chunk in seen)
     # the same cell as measured: as many requests per client from a cold start, the same spread of lengths
     assert all(loop.requests_per_client == 3 and loop.output_spread == 0.25 for loop, _ in seen)
+    # ... and, given the measured runs, each request as long as the measured one in its place
+    seen.clear()
+    runs = [{**c, "repeat": 0, "output_lengths": [5, 0, 9] * c["concurrency"]} for c in cells]
+    simulated(cfg, loaded, drafter, cells, prompt_mix=(64, 40), runs=runs)
+    assert [loop.output_mix for loop, _ in seen] == [(5, 1, 9) * c["concurrency"] for c in cells]
     assert all(c["sim_throughput_tok_s"] > 0 for c in cells)
     assert all(c["sim_mean_budget"] == 0 for c in cells if c["policy"] == "none")
     assert all(c["sim_mean_budget"] == 4 for c in cells if c["policy"] == "fixed-4")

@@ -68,3 +68,15 @@ def test_command_line_takes_a_prompt_mix_and_an_output_spread(tmp_path):
     plain = main(args)
     mixed = main(args + ["--prompt-mix", "16,128", "--output-spread", "0.5"])
     assert mixed["none"][4].throughput_tps < plain["none"][4].throughput_tps  # prompts cost their prefill
+
+
+def test_output_mix_gives_each_request_its_length_in_turn():
+    from dspark.scheduling.workload import ClosedLoop as Loop, Requests
+
+    reqs = Requests(Loop(2, output_tokens=64, output_spread=0.5, requests_per_client=2, prompt_mix=(10, 20, 30),
+                         output_mix=(3, 7, 11)), np.random.default_rng(0))
+    assert reqs.remaining.tolist() == [3, 7] and reqs.prefill.tolist() == [10, 20]
+    reqs.advance(np.array([10, 20]), np.array([3, 1]))  # the first finishes: the third request joins
+    assert reqs.remaining.tolist() == [11, 6] and reqs.prefill.tolist() == [30, 0]
+    with pytest.raises(ValueError, match="output lengths"):
+        Requests(Loop(1, output_mix=(0, 4)), np.random.default_rng(0))

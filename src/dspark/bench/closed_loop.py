@@ -54,6 +54,7 @@ class ClosedLoop:
         self.spread, self.lengths = length_spread, np.random.default_rng(seed)  # ... with the same length limits
         self.clock = 0.0  # seconds this loop has spent stepping its engine
         self.arrival: dict[str, float] = {}  # request id -> clock at submission
+        self.output_len: dict[str, int] = {}  # request id -> tokens it produced (set when it finishes), sent order
         self.done: list[tuple] = []  # (request, clock at finish) since `start_measuring`
         self.live = [self._submit() for _ in range(min(concurrency, limit or concurrency))]
         self.first_wave = {r.request_id for r in self.live}
@@ -67,6 +68,7 @@ class ClosedLoop:
         req = self.engine.add_request(next(self.feed), params)
         self.sent += 1
         self.arrival[req.request_id] = self.clock
+        self.output_len[req.request_id] = 0
         return req
 
     def tick(self) -> None:
@@ -82,6 +84,7 @@ class ClosedLoop:
                 del self.live[i]
         self.clock += time.perf_counter() - t0
         self.done.extend((req, self.clock) for _, req in finished)
+        self.output_len.update((req.request_id, len(req.output)) for _, req in finished)
 
     @property
     def first_wave_finished(self) -> bool:
@@ -114,6 +117,8 @@ class ClosedLoop:
         decode_steps = s.decode_requests_total - decode0
         step_s = s.step_seconds_total - step_s0
         models_s = s.forward_seconds_total - forward_s0 + s.drafter_seconds_total - drafter_s0
+        self.output_len.update((r.request_id, len(r.output)) for r in self.live)  # cut short by the cell's end
+        lengths = list(self.output_len.values())
         for req in self.live:
             self.engine.abort(req.request_id)
         self.engine.step()  # reap the aborted requests
@@ -125,7 +130,9 @@ class ClosedLoop:
                 "steps": s.steps - steps0,
                 # share of step time outside the target and drafter forwards: the engine's own overhead
                 "overhead_fraction": max(0.0, 1 - models_s / step_s) if step_s else 0.0,
-                "drafter_fraction": (s.drafter_seconds_total - drafter_s0) / step_s if step_s else 0.0}
+                "drafter_fraction": (s.drafter_seconds_total - drafter_s0) / step_s if step_s else 0.0,
+                # every request sent, in order (the running ones cut short at the end): what the simulator replays
+                "output_lengths": lengths}
 
 
 def run_loops(loops: list[ClosedLoop], seconds: float | None, warmup: float = 0.0, seed: int = 0) -> list[dict]:

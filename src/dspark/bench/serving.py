@@ -141,7 +141,7 @@ def run(cfg: ServeBenchConfig) -> dict:
                                                          if k.startswith("live_")), flush=True)
     cells = median_cells(runs)
     if cfg.traces is not None:
-        simulated(cfg, loaded, drafter, cells, prompt_mix=tuple(map(len, prompts)))
+        simulated(cfg, loaded, drafter, cells, prompt_mix=tuple(map(len, prompts)), runs=runs)
     matched = per_user_at_matched_throughput(cells) if "mtp1" in cfg.policies else []
     paired = paired_ratios(runs) if "async" in cfg.policies else []
     variants = {v: paired_ratios(runs, v) for v in cfg.policies if is_async_variant(v)}  # paired columns
@@ -224,13 +224,16 @@ def simulator_profile(cfg: ServeBenchConfig, loaded, drafter):
     return load_or_profile(loaded.model, key, drafter=drafter, prefill=True)
 
 
-def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_mix: tuple[int, ...]) -> None:
+def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_mix: tuple[int, ...],
+              runs: list[dict] = ()) -> None:
     """Add the serving simulator's prediction to every measured cell: the same policies (built the same way,
     over the same cached speed profile, with this drafter's measured drafting cost), closed-loop clients at the
     same concurrency and output lengths (the same spread; with `requests_per_client`, as many requests from a cold
-    start, drain included), new requests prefilling the benchmark's prompt lengths in turn (`prompt_mix`, rotated
-    per repeat as `rotated` does the prompts) in the shared forward, rounds replayed from `cfg.traces` (recorded
-    with this drafter); medians over the repeats, as the measured cells."""
+    start, drain included, each as long as the measured run's request in that place: `output_lengths` of `runs`,
+    since with a few long prompts the draws of the spread, and where a request met its EOS, move a cell by tens of
+    per cent), new requests prefilling the benchmark's prompt lengths in turn (`prompt_mix`, rotated per repeat as
+    `rotated` does the prompts) in the shared forward, rounds replayed from `cfg.traces` (recorded with this
+    drafter); medians over the repeats, as the measured cells."""
     from ..scheduling.simulator import ClosedLoop, simulate
     from ..scheduling.traces import AcceptanceTraces
 
@@ -239,14 +242,17 @@ def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_
         raise ValueError(f"{cfg.traces} was recorded at γ = {traces.gamma}, the benchmark runs γ = {cfg.gamma}")
     profile = simulator_profile(cfg, loaded, drafter)
     for cell in cells:
-        runs = []
+        sims = []
         for rep in range(cfg.repeats):
             policy = build_policy(cell["policy"], drafter, cfg.model, cfg.dtype, loaded.model, cfg.gamma)
+            measured = [r for r in runs if (r["policy"], r["concurrency"], r["repeat"]) ==
+                        (cell["policy"], cell["concurrency"], rep)]
+            outputs = tuple(measured[0].get("output_lengths", ())) if measured and cfg.requests_per_client else ()
             loop = ClosedLoop(cell["concurrency"], cfg.max_new_tokens, output_spread=cfg.length_spread,
                               prompt_mix=rotated(prompt_mix, rep, cfg.repeats),
-                              requests_per_client=cfg.requests_per_client)
-            runs.append(simulate(profile, traces, policy, loop, seed=0, prefill_chunk=EngineConfig().prefill_chunk))
-        cell.update({f"sim_{k}": median([getattr(r, attr) for r in runs]) for k, attr in (
+                              requests_per_client=cfg.requests_per_client, output_mix=tuple(max(1, n) for n in outputs))
+            sims.append(simulate(profile, traces, policy, loop, seed=0, prefill_chunk=EngineConfig().prefill_chunk))
+        cell.update({f"sim_{k}": median([getattr(r, attr) for r in sims]) for k, attr in (
             ("throughput_tok_s", "throughput_tps"), ("per_user_tok_s", "per_user_tps"), ("mean_budget", "mean_budget"),
             ("tau", "tau"))})
 

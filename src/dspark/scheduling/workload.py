@@ -27,6 +27,7 @@ class ClosedLoop:
     prompt_mix: tuple[int, ...] = ()  # prompt lengths new requests take in turn (instead of prompt_tokens)
     output_spread: float = 0.0  # a request's output length: round(output_tokens · u), u ~ U[1 − s, 1 + s]
     requests_per_client: int = 0  # > 0: C × this many requests in all from a cold start, then the drain
+    output_mix: tuple[int, ...] = ()  # output lengths new requests take in turn (instead of output_tokens, spread)
 
     def __post_init__(self):
         if self.concurrency < 1 or self.output_tokens < 1 or self.requests_per_client < 0:
@@ -46,6 +47,7 @@ class Poisson:
     prompt_tokens: int = 0
     prompt_mix: tuple[int, ...] = ()
     output_spread: float = 0.0
+    output_mix: tuple[int, ...] = ()
 
 
 Arrival = Union[ClosedLoop, Poisson]
@@ -63,6 +65,9 @@ class Requests:
         if mix.ndim != 1 or (mix < 0).any():
             raise ValueError(f"prompt lengths must be integers >= 0, got {arrival.prompt_mix!r}")
         self._mix, self._next_prompt = mix, 0
+        self._outputs = np.asarray(arrival.output_mix, dtype=np.int64)
+        if self._outputs.ndim != 1 or (self._outputs < 1).any():
+            raise ValueError(f"output lengths must be integers >= 1, got {arrival.output_mix!r}")
         self.closed = isinstance(arrival, ClosedLoop)
         # requests to send in all (0: no end, the steady state)
         self._budget = arrival.requests_per_client * arrival.concurrency if self.closed else 0
@@ -87,7 +92,10 @@ class Requests:
         out, spread = self.arrival.output_tokens, self.arrival.output_spread
         lengths = np.full(n, out, dtype=np.int64) if not spread else np.maximum(
             1, np.rint(out * self._lengths.uniform(1 - spread, 1 + spread, size=n))).astype(np.int64)
-        prompts = self._mix[(self._next_prompt + np.arange(n)) % self._mix.size]
+        turn = self._next_prompt + np.arange(n)  # the k-th request sent takes the k-th entries of the mixes
+        if self._outputs.size:
+            lengths = self._outputs[turn % self._outputs.size]
+        prompts = self._mix[turn % self._mix.size]
         self._next_prompt += n
         return lengths, prompts
 
