@@ -146,7 +146,7 @@ def test_select_draft_vocab_ranks_answer_tokens_and_forces_eos():
 def test_drafting_cost_profile_and_profile_ids():
     """`dspark profile --drafter` measures one propose() per request count; the cache key tells drafters apart."""
     from dspark.engine.profiling import drafter_step_fn
-    from dspark.scheduling.profile import measure_profile
+    from dspark.scheduling.profile_measure import measure_profile
 
     target = tiny_target(seed=4)
     sub = vocab_drafter(target, list(range(0, 96, 2)))

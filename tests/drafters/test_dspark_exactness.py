@@ -347,9 +347,9 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
     policy = make_policy("async", sps=priced(drafter.gamma), **RULES[rule])
     seen, prepare, select, probes = set(), policy.prepare, policy.select, [0]  # probes since the last drafting run
 
-    def spy(n_requests):
+    def spy(n_requests, context=None):
         confirmed, far_load = policy._confirmed, policy._far_load
-        drafts = prepare(n_requests)
+        drafts = prepare(n_requests, context=context)
         if policy._interval > policy.max_probe_every:
             seen.add("far back-off")  # probes rarer than max_probe_every allows
         if far_load and not policy._far_load and policy.last_capacity == 0 and not policy._probing:
