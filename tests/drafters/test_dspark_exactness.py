@@ -292,7 +292,8 @@ RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0
          "far back-off": dict(probe_every=1, max_probe_every=2, far_probe_every=16, probe_requests=1,
                               min_gain=0.5, max_age=4),
          "probes soon once the load halves": dict(probe_every=1, max_probe_every=2, far_probe_every=16,
-                                                  probe_requests=1, min_gain=0.5, max_age=4)}
+                                                  probe_requests=1, min_gain=0.5, max_age=4),
+         "priced at the context": dict(min_gain=0.0, max_age=4)}
 # Requests each test runs at once where a rule needs load: these rules fire only while a probe (of one request)
 # drafts part of the batch, and the far back-off's load must then halve; at T = 1 requests live three steps.
 RUNNING = {"greedy": {"confirmed thin pool": 3, "far back-off": 2, "probes soon once the load halves": 2},
@@ -320,6 +321,15 @@ def _staircase_profile(gamma: int):
                         draft_depth=gamma)
 
 
+def _context_priced_profile(gamma: int):
+    import dataclasses
+
+    # The depth-priced profile measured at 8 tokens of context, each token of context more adding 20 us per verified
+    # token: at these requests' contexts (rounded to 32 and 64 tokens) a draft costs 0.5-1.1 ms more to verify, so
+    # K priced at the context differs from K priced at the grid's.
+    return dataclasses.replace(_depth_priced_profile(gamma), grid_context=8, context_token_s=20e-6)
+
+
 def _dear_draft_profile(gamma: int):
     from dspark.scheduling.profile import SpeedProfile
 
@@ -332,7 +342,8 @@ def _dear_draft_profile(gamma: int):
 # The profile each rule fires under, and whether only at one request (the staircase's jumps fall there)
 PRICED_BY = {"early stop below K": (_verify_priced_profile, False), "no extra slot": (_staircase_profile, True),
              "confirmed thin pool": (_depth_priced_profile, False), "far back-off": (_dear_draft_profile, False),
-             "probes soon once the load halves": (_dear_draft_profile, False)}
+             "probes soon once the load halves": (_dear_draft_profile, False),
+             "priced at the context": (_context_priced_profile, False)}
 
 
 def _rules_engine(target, drafter, max_running: int, rule: str):
@@ -359,6 +370,9 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
         if policy.live is not None and policy.live.rebuilds and policy.last_capacity is not None:
             if _capacity_priced_by(policy, policy.live.base, n_requests) != policy._memo[1]:
                 seen.add("live step prices")  # the measured times changed K
+        if policy._context and policy.last_capacity is not None:
+            if _capacity_priced_by(policy, policy._sps, n_requests) != policy._memo[1]:
+                seen.add("priced at the context")  # the requests' context changed K
         if policy.last_capacity:
             probes[0] = 0
             if policy._memo[2] <= 1.0 + policy.min_gain:
