@@ -208,17 +208,17 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
                                             "shallow_draft_fn": drafter_step_fn(model, drafter, depth=1),
                                             "draft_depth": drafter.gamma, "request_counts": PROFILE_REQUESTS}
         caches = _warm_caches(model)
-        if long_context(model):
-            extra.update(context_fn=context_step_fn(model, long_context(model)), context_cells=CONTEXT_CELLS,
-                         context_tokens=(CONTEXT, long_context(model)))
+        longest = long_context(model)
+        if longest:
+            extra.update(context_fn=context_step_fn(model, longest), context_cells=CONTEXT_CELLS,
+                         context_tokens=(CONTEXT, longest))
         if prefill:
             extra.update(prefill_fn=_by_load(prefill_step_fn(model, caches)), prefill_requests=PREFILL_REQUESTS,
                          prefill_tokens=[p for p in PREFILL_TOKENS if p <= model.config.max_position])
             chunk = max(p for p in PREFILL_TOKENS if p <= model.config.max_position)
-            if long_context(model) and long_context(model) + chunk + 8 <= model.config.max_position:
+            if longest and longest + chunk + 8 <= model.config.max_position:
                 # the next chunk of a long prompt, after LONG_CONTEXT tokens of it
-                extra.update(prefill_context_fn=prefill_at_fn(model, long_context(model)),
-                             prefill_context_at=(chunk, long_context(model)))
+                extra.update(prefill_context_fn=prefill_at_fn(model, longest), prefill_context_at=(chunk, longest))
         return measure_profile(target_step_fn(model, caches=caches), PROFILE_TOKENS, repeats=repeats, key=key,
                                one_segment_fn=target_step_fn(model, one_segment=True, caches=caches),
                                tokens_per_segment=TOKENS_PER_REQUEST, grid_fn=grid_step_fn(model, caches),

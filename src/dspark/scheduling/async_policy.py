@@ -8,7 +8,7 @@ import numpy as np
 
 from .acceptance_tracker import AcceptanceTracker
 from .live_profile import LiveProfile
-from .policies import (CONTEXT_STEP, SPS, capacity_from_survivals, could_grow, draft_depth_for, step_survivals,
+from .policies import (SPS, capacity_from_survivals, could_grow, draft_depth_for, rounded_context, step_survivals,
                        sync_prefix_schedule, top_k_lengths)
 from .policy_objects import need_confidences
 
@@ -178,7 +178,6 @@ class AsyncPolicy:
             raise ValueError(f"price_context must be a bool (0 or 1), got {price_context!r}")
         self.prices_context = bool(price_context)  # prepare() takes the requests' mean context (see ``sps``)
         self.live = LiveProfile(sps) if live else None  # kept across reset(): it describes the machine
-        self._views: dict[tuple[int, int], tuple] = {}  # (id of base profile, context) -> (base, priced view)
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
         self.reset()
@@ -189,15 +188,7 @@ class AsyncPolicy:
         context (rounded to ``CONTEXT_STEP`` tokens, so that K is re-priced every few dozen steps, not every step)
         when the profile prices context: verifying a draft costs more the longer the context it attends to."""
         base = self._sps if self.live is None else self.live.current
-        if not self._context or not hasattr(base, "at_context"):
-            return base
-        key = (id(base), self._context)
-        entry = self._views.get(key)
-        if entry is None or entry[0] is not base:  # the entry holds its base, so an id is never reused under it
-            if len(self._views) > 256:
-                self._views.clear()
-            entry = self._views[key] = (base, base.at_context(self._context))
-        return entry[1]
+        return base.at_context(self._context) if self._context and hasattr(base, "at_context") else base
 
     def reset(self) -> None:
         # (step, confidences, their sorted survivals) of the last drafted steps: enough to pool `pool_steps` of
@@ -241,7 +232,7 @@ class AsyncPolicy:
     def prepare(self, n_requests: int, context: float | None = None) -> bool:
         """Fix K for the coming step (before drafting); returns whether the drafter should run. ``context``: the
         running requests' mean context in tokens (known before drafting, so it keeps K lossless)."""
-        self._context = 0 if not context else max(CONTEXT_STEP, CONTEXT_STEP * round(context / CONTEXT_STEP))
+        self._context = rounded_context(context)
         pool_steps, c_old = self._old_confidences()
         ratio, confirm = 1.0, False
         if not c_old:

@@ -30,6 +30,11 @@ SPS = Union[SpeedProfile, Callable[[object], object]]
 CONTEXT_STEP = 32  # tokens: the mean context a step is priced at is rounded to a multiple of this (fewer re-pricings)
 
 
+def rounded_context(context: float | None) -> int:
+    """The running requests' mean context as the schedulers price it: a multiple of CONTEXT_STEP (0: not given)."""
+    return 0 if not context else max(CONTEXT_STEP, CONTEXT_STEP * round(context / CONTEXT_STEP))
+
+
 def as_confidences(c) -> np.ndarray:
     """Validate and convert (numpy, list, or torch tensor) to float64 [R, γ] in [0, 1]."""
     if hasattr(c, "detach"):  # torch tensor, without importing torch here

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .policies import CONTEXT_STEP, SPS, as_confidences, fixed_k, static_threshold, sync_prefix_schedule
+from .policies import SPS, rounded_context, as_confidences, fixed_k, static_threshold, sync_prefix_schedule
 
 CONFIDENCE_FREE = ("none", "mtp1", "fixed")  # registry names whose policies ignore confidences (a test checks)
 
@@ -89,20 +89,14 @@ class SyncPolicy(_ChoosesAfterDrafting):
     load_dependent = True  # the batch's confidences and the step's price set every request's length
     prices_context = True
     _priced: SPS | None = field(default=None, init=False, repr=False, compare=False)  # sps at this step's context
-    _views: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # context -> priced view
 
     @property
     def name(self) -> str:
         return "sync-unsafe" if self.unsafe else "sync"
 
     def prepare(self, n_requests: int, context: float | None = None) -> bool:
-        if not context or not hasattr(self.sps, "at_context"):
-            self._priced = None
-            return True
-        rounded = CONTEXT_STEP * max(1, round(context / CONTEXT_STEP))
-        if rounded not in self._views:  # one view per context: the price caches key on the profile object
-            self._views[rounded] = self.sps.at_context(rounded)
-        self._priced = self._views[rounded]
+        at = getattr(self.sps, "at_context", None)
+        self._priced = at(rounded_context(context)) if context and at else None
         return True
 
     def select(self, c=None, *, n_requests: int | None = None, gamma: int | None = None) -> np.ndarray:

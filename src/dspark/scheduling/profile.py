@@ -145,6 +145,7 @@ class SpeedProfile:
     # A prompt chunk that starts after ``start`` tokens already prefilled attends to them too: seconds per chunk token
     # per token before it (0: not priced; the prefill table measured chunks that start at 0).
     prefill_context_s: float = 0.0
+    _views: dict = field(init=False, repr=False, compare=False)  # context -> this profile priced there (shared)
     # Cached numpy views, so sps() on a hot path does not rebuild arrays each call.
     _t: np.ndarray = field(init=False, repr=False, compare=False)
     _s: np.ndarray = field(init=False, repr=False, compare=False)
@@ -176,6 +177,7 @@ class SpeedProfile:
             raise ValueError(f"grid_context, context and the context coefficients must be finite and >= 0, got "
                              f"{self.grid_context!r}, {self.context!r}, {self.context_request_s!r}, "
                              f"{self.context_token_s!r}")
+        object.__setattr__(self, "_views", {})
         object.__setattr__(self, "_t", np.asarray(self.tokens, dtype=np.float64))
         object.__setattr__(self, "_s", np.asarray(self.seconds, dtype=np.float64))
 
@@ -244,18 +246,25 @@ class SpeedProfile:
 
     def at_context(self, context: float) -> "SpeedProfile":
         """This profile pricing every step at a mean context of ``context`` tokens per request (itself when it
-        does not price context). A shallow copy: the tables are shared, nothing is validated again."""
+        does not price context). A shallow copy made once per context and kept (the schedulers' price caches key on
+        the object): the tables are shared, nothing is validated again."""
         if not self.prices_context or context == self.context:
             return self
-        view = copy.copy(self)
-        object.__setattr__(view, "context", float(context))
+        view = self._views.get(context)
+        if view is None:
+            if len(self._views) >= 256:  # the simulator asks at every exact mean context
+                self._views.clear()
+            view = self._views[context] = copy.copy(self)  # its _views is this dict: views of views are views
+            object.__setattr__(view, "context", float(context))
         return view
 
     def _context_extra_s(self, n_tokens, n_requests):
         """Seconds the mean context adds to a step over the grid's (negative below grid_context)."""
         longer = self.context - self.grid_context
-        r = np.asarray(n_requests if n_requests is not None else np.maximum(
-            1, np.asarray(n_tokens) // max(1, self.tokens_per_segment or 1)), dtype=np.float64)
+        if n_requests is None:  # as many requests as the table was measured with (one without a request model)
+            tps = self.tokens_per_segment
+            n_requests = np.maximum(1, np.asarray(n_tokens) // tps) if tps else 1
+        r = np.asarray(n_requests, dtype=np.float64)
         return longer * (self.context_request_s * r + self.context_token_s * np.asarray(n_tokens, dtype=np.float64))
 
     def step_s(self, n_tokens, n_requests=None, prefill: Sequence = ()):

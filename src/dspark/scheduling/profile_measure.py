@@ -130,8 +130,8 @@ def measure_profile(
     c_cells = [(int(r), int(k)) for r, k in context_cells if r in g_req and k in g_tok] if context_fn else []
     context_jobs = [(functools.partial(context_fn, r), k) for r, k in c_cells]
     p_at, p_start = (int(x) for x in prefill_context_at)
-    if prefill_context_fn is not None and 0 in p_req and p_at in p_tok and p_start > 0:
-        context_jobs.append((prefill_context_fn, p_at))
+    later = prefill_context_fn is not None and 0 in p_req and p_at in p_tok and p_start > 0
+    later_jobs = [(prefill_context_fn, p_at)] if later else []  # a prompt's later chunk, alone
     reqs: list[int] = sorted({int(r) for r in request_counts}) if draft_fn is not None else []
     shallow = shallow_draft_fn is not None and draft_fn is not None and draft_depth >= 2
     draft_jobs = [(draft_fn, r) for r in reqs] + ([(shallow_draft_fn, r) for r in reqs] if shallow else [])
@@ -144,20 +144,21 @@ def measure_profile(
     same = {b: cells.get(table_cell(b)) for b in tokens} if table_cell is not None else {}
     own = [b for b in tokens if same.get(b) is None]
     t = median_times([(step_fn, b) for b in own] + ([(one_segment_fn, tokens[-1])] if split_both else [])
-                     + grid_jobs + prefill_jobs + context_jobs + draft_jobs)
+                     + grid_jobs + prefill_jobs + context_jobs + later_jobs + draft_jobs)
     own_s, t = dict(zip(own, t[:len(own)])), t[len(own):]
     one_request, t = (t[0] if split_both else 0.0), t[int(split_both):]
     grid_flat, t = t[:len(grid_jobs)], t[len(grid_jobs):]
     prefill_flat, t = t[:len(prefill_jobs)], t[len(prefill_jobs):]
     context_flat, t = t[:len(context_jobs)], t[len(context_jobs):]
+    later_flat, t = t[:len(later_jobs)], t[len(later_jobs):]
     dsec, shallow_sec = t[:len(reqs)], t[len(reqs):]
     seconds = [own_s[b] if same.get(b) is None else grid_flat[same[b]] for b in tokens]
     grid = tuple(tuple(grid_flat[i * len(g_tok):(i + 1) * len(g_tok)]) for i in range(len(g_req)))
     seg_s = max(0.0, (seconds[-1] - one_request) / (segments - 1)) if split_both else 0.0
     per_request_s = per_token_s = prefill_context_s = 0.0
-    if len(context_flat) > len(c_cells):  # the late prompt chunk against the same chunk from the start
+    if later_flat:  # the later prompt chunk against the same chunk from the start of its prompt
         alone = prefill_flat[p_req.index(0) * len(p_tok) + p_tok.index(p_at)]
-        prefill_context_s = max(0.0, (context_flat[-1] - alone) / (p_at * p_start))
+        prefill_context_s = max(0.0, (later_flat[0] - alone) / (p_at * p_start))
     if c_cells and context_tokens[1] != context_tokens[0]:
         deltas = [long - grid_flat[cells[rk]] for rk, long in zip(c_cells, context_flat)]
         per_request_s, per_token_s = fit_context_cost(c_cells, deltas, context_tokens[1] - context_tokens[0])
