@@ -51,6 +51,9 @@ def add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--json", action="store_true", help="print one JSON object (text + statistics) instead")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's log-probability under the target (its raw distribution) and its "
+                        "N most likely alternatives (0-20)")
     p.set_defaults(func=run_generate)
 
 
@@ -59,7 +62,9 @@ def run_generate(args) -> int:
     from .generate import TextGenerator
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_new_tokens=args.max_new_tokens)  # validated before the model loads
+                            max_new_tokens=args.max_new_tokens, logprobs=args.logprobs)  # checked before loading
+    if args.logprobs is not None and not args.json:
+        raise ValueError("--logprobs needs --json (they are printed with the JSON object)")
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     gen = TextGenerator(args.model, args.drafter, gamma=args.gamma, dtype=args.dtype, policy=args.policy)
     stream = gen.stream(prompt, params, chat=args.chat)
@@ -69,13 +74,22 @@ def run_generate(args) -> int:
     stats = stream.stats.to_dict()
     if args.json:
         print(json.dumps({"model": args.model, "drafter": args.drafter, "drafter_used": gen.drafter_name,
-                          "policy": gen.policy_name, "text": stream.text, **stats}))
+                          "policy": gen.policy_name, "text": stream.text, **stats,
+                          **({"logprobs": _logprobs_json(stream.request, gen.llm.tokenizer)}
+                             if args.logprobs is not None else {})}))
     else:
         print(f"\n\n[{gen.drafter_name} drafter, {gen.policy_name} policy: {stats['new_tokens']} tokens, "
               f"{stats['rounds']} steps, {stats['drafted']} drafts verified, tau {stats['tau']:.2f}, "
               f"{stats['tokens_per_s']:.1f} tok/s, ttft {stats['ttft_s'] * 1000:.0f} ms, "
               f"finish: {stats['finish_reason']}]", file=sys.stderr)
     return 0
+
+
+def _logprobs_json(request, tokenizer) -> list[dict]:
+    text = lambda t: tokenizer.decode([t])  # noqa: E731
+    return [{"token_id": e.token, "token": text(e.token), "logprob": e.logprob,
+             "top": [{"token_id": t, "token": text(t), "logprob": lp} for t, lp in e.top]}
+            for e in request.logprobs]
 
 
 def add_bench(sub) -> None:

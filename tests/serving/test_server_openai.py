@@ -110,3 +110,42 @@ def test_models_health_and_metrics(client, server):
             family = line.split()[2]
             assert family not in seen, family
             seen.add(family)
+
+
+def test_chat_logprobs_plain_and_streamed(client, server):
+    """logprobs=True with top_logprobs: one entry per completion token, the same in both modes (greedy), the
+    chosen token's log-probability at most the best alternative's and each top list sorted."""
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0, logprobs=True, top_logprobs=3)
+    plain = client.chat.completions.create(**kw)
+    entries = plain.choices[0].logprobs.content
+    assert len(entries) == plain.usage.completion_tokens == 20
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob <= 0
+        assert e.logprob == pytest.approx(tops[0], abs=1e-5)  # greedy: the chosen token is the most likely
+        assert e.bytes == list(e.token.encode())
+    assert "".join(e.token for e in entries) == plain.choices[0].message.content
+    streamed = [e for chunk in client.chat.completions.create(stream=True, **kw) for c in chunk.choices
+                if c.logprobs is not None for e in c.logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in entries]
+    no = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0)
+    assert no.choices[0].logprobs is None
+    assert wait_until(lambda: engine_idle(server))
+
+
+def test_completion_logprobs_with_a_stop_string(client):
+    base = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=30, temperature=0)
+    stop = base.choices[0].text[6:9]
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=30, temperature=0.8, seed=5, logprobs=2)
+    plain = client.completions.create(**kw)
+    lp = plain.choices[0].logprobs
+    n = plain.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert all(len(t) <= 2 for t in lp.top_logprobs) and lp.text_offset == sorted(lp.text_offset)
+    cut = client.completions.create(stop=stop, **{**kw, "temperature": 0, "seed": None})
+    assert cut.choices[0].finish_reason == "stop"
+    assert len(cut.choices[0].logprobs.tokens) == cut.usage.completion_tokens  # the stop string's tokens too
+    streamed = [t for c in client.completions.create(stream=True, stop=stop, **{**kw, "temperature": 0,
+                                                                                   "seed": None})
+                if c.choices and c.choices[0].logprobs is not None for t in c.choices[0].logprobs.tokens]
+    assert streamed == cut.choices[0].logprobs.tokens

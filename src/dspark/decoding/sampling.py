@@ -14,6 +14,9 @@ class SamplingError(ValueError):
     """Invalid sampling parameters."""
 
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy (one-hot argmax on both sides)
@@ -23,6 +26,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
     ignore_eos: bool = False
+    # None: no log-probabilities; n >= 0: each emitted token's log-probability under the target's raw
+    # distribution and its n most likely alternatives (decoding/logprobs.py); read-only, it changes no token
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature \
@@ -34,6 +40,9 @@ class SamplingParams:
             raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens <= 0:
             raise SamplingError(f"max_new_tokens must be an integer > 0, got {self.max_new_tokens!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or int(self.logprobs) != self.logprobs
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise SamplingError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 from ..decoding import SamplingParams
 from ..decoding.batch import verify_requests
+from ..decoding.logprobs import token_logprobs
 from ..drafters.base import Drafter
 from ..models.transformer import Segment, Transformer
 from .detok import update_text
@@ -188,7 +189,8 @@ class Engine:
                     req.confidence_hist.append(plan.confidence_logits[i])
                 self.stats.record_round(int(plan.lengths[i]), a)
                 self._observed.append((req, plan.decode_token_rows[i][0], a + 1))  # anchor + accepted drafts
-                outputs.append(self._emit(req, result.emitted(plan.drafts, i)))
+                # row j of its logits predicted emitted token j (the accepted drafts, then the bonus)
+                outputs.append(self._emit(req, result.emitted(plan.drafts, i), logits[i]))
             except Exception as exc:
                 self._fail(req, exc, outputs)
         return outputs
@@ -206,7 +208,7 @@ class Engine:
                 first = verify_requests([out.logits[logit_row: logit_row + 1]], empty, torch.zeros(1, dtype=torch.long),
                                         None, [req.params], [req.generator], torch.zeros(1, 0, dtype=torch.bool))
                 req.status = Status.DECODE
-                outputs.append(self._emit(req, [int(first.next_token[0])]))
+                outputs.append(self._emit(req, [int(first.next_token[0])], out.logits[logit_row: logit_row + 1]))
             except Exception as exc:
                 self._fail(req, exc, outputs)
         return outputs
@@ -237,7 +239,8 @@ class Engine:
             return
         self.feed.stash(live, out.hidden, lambda req, exc: self._fail(req, exc, outputs), out.stacked)
 
-    def _emit(self, req: Request, tokens: list[int]) -> RequestOutput:
+    def _emit(self, req: Request, tokens: list[int], logits: torch.Tensor | None = None) -> RequestOutput:
+        """logits: [len(tokens), V] the rows the tokens were drawn from (for requests that ask for logprobs)."""
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
         stops, before = self._stop_ids(req), len(req.output)
@@ -248,6 +251,10 @@ class Engine:
                 break
         req.output.extend(chunk)
         req.draft.tokens.extend(chunk)
+        new_logprobs = None
+        if req.params.logprobs is not None and logits is not None:
+            new_logprobs = token_logprobs(logits, chunk, req.params.logprobs)
+            req.logprobs.extend(new_logprobs)
         self.stats.generation_tokens += len(chunk)
         if reason is None and (len(req.output) >= req.params.max_new_tokens
                                or req.num_tokens >= self.model.config.max_position):
@@ -259,7 +266,8 @@ class Engine:
             req.finish(reason)
             self._release(req)
             self.stats.record_finish(reason)
-        return RequestOutput(req.request_id, req.output[before:], piece, req.finished, req.finish_reason, req)
+        return RequestOutput(req.request_id, req.output[before:], piece, req.finished, req.finish_reason, req,
+                             new_logprobs)
 
     def _fail(self, req: Request, exc: Exception, outputs: list) -> None:
         req.finish("error", f"{type(exc).__name__}: {exc}")

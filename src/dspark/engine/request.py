@@ -36,6 +36,7 @@ class Request:
     text: str = ""  # decoded output, cut before a matched stop string
     text_tokens: int = 0  # output[:text_tokens] is what `text` decodes (detok.py)
     text_window: int = 0  # where the next step's decode window starts (<= text_tokens)
+    logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when params.logprobs is set
     # statistics
     rounds: int = 0
     drafted: int = 0
@@ -94,3 +95,4 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     request: Request
+    new_logprobs: list | None = None  # TokenLogprob per new token, when the request asked for them

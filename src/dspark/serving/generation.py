@@ -12,6 +12,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from .errors import APIError, ClientGone
+from .logprobs import LogprobFormatter
 from .protocol import Generation
 
 
@@ -46,18 +47,22 @@ def failure(req, timed_out: bool = False) -> APIError:
 class Responder:
     """Builds OpenAI-shaped bodies for one request; `spec_stats` rides along as the `speculative` field."""
 
-    def __init__(self, gen: Generation, request_id: str, model: str):
+    def __init__(self, gen: Generation, request_id: str, model: str, tokenizer=None):
         self.gen, self.id, self.model, self.created = gen, request_id, model, int(time.time())
         self.outcome: str | None = None  # "timeout" when the per-request timeout cut the stream
         chat = gen.kind == "chat"
+        self.logprobs = LogprobFormatter(tokenizer, chat) if gen.params.logprobs is not None else None
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def _logprobs(self, entries) -> dict | None:
+        return None if self.logprobs is None else self.logprobs.body(entries or [])
+
     def final(self, req) -> dict:
-        choice = {"index": 0, "finish_reason": req.finish_reason, "logprobs": None}
+        choice = {"index": 0, "finish_reason": req.finish_reason, "logprobs": self._logprobs(req.logprobs)}
         if self.gen.kind == "chat":
             choice["message"] = {"role": "assistant", "content": req.text}
         else:
@@ -65,8 +70,11 @@ class Responder:
         return {**self._head(self.object), "choices": [choice], "usage": req.usage(),
                 "speculative": req.spec_stats()}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
-        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
+              logprobs=None) -> dict:
+        """logprobs: the TokenLogprob entries this chunk carries (None: none, or the request asked for none)."""
+        choice = {"index": 0, "finish_reason": finish_reason,
+                  "logprobs": None if logprobs is None else self._logprobs(logprobs)}
         if self.gen.kind == "chat":
             choice["delta"] = {"role": "assistant", "content": ""} if role else \
                 ({} if text is None else {"content": text})
@@ -101,6 +109,8 @@ async def sse_events(engine, req, queue, responder: Responder, timeout: float | 
     gen = responder.gen
     hold = max((len(s) for s in gen.stop), default=1) - 1
     text, sent = "", 0
+    pending: list | None = [] if responder.logprobs is not None else None  # entries seen, not sent yet
+    lp_sent = 0  # entries sent
     if gen.kind == "chat":
         yield sse(responder.chunk(role=True))
     try:
@@ -108,9 +118,12 @@ async def sse_events(engine, req, queue, responder: Responder, timeout: float | 
             if out.finished:
                 break
             text += out.new_text
+            if pending is not None and out.new_logprobs:
+                pending += out.new_logprobs
             if len(text) - hold > sent:
-                yield sse(responder.chunk(text[sent: len(text) - hold]))
-                sent = len(text) - hold
+                yield sse(responder.chunk(text[sent: len(text) - hold], logprobs=pending))
+                lp_sent += len(pending or ())
+                sent, pending = len(text) - hold, None if pending is None else []
     except TimeoutError:
         responder.outcome = "timeout"
         yield sse(failure(req, timed_out=True).body())
@@ -120,8 +133,10 @@ async def sse_events(engine, req, queue, responder: Responder, timeout: float | 
         yield sse(failure(req).body())
         yield sse(b"[DONE]")
         return
-    if len(req.text) > sent:  # the final text (cut before a stop string) minus what already went out
-        yield sse(responder.chunk(req.text[sent:]))
+    if pending is not None:  # the request has finished: its entries are final, the finishing step's included
+        pending = req.logprobs[lp_sent:]
+    if len(req.text) > sent or pending:  # the final text (cut before a stop string) minus what already went out
+        yield sse(responder.chunk(req.text[sent:], logprobs=pending))
     last = responder.chunk(None if gen.kind == "chat" else "", finish_reason=req.finish_reason)
     last["speculative"] = req.spec_stats()
     yield sse(last)

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect, Request
 
-from ..decoding.sampling import SamplingError, SamplingParams
+from ..decoding.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from .errors import APIError, ClientGone, bad_request
 
 MAX_STOP_STRINGS = 16
@@ -48,8 +48,8 @@ class _Common(_Strict):
     stop: str | list[str] | None = None
     n: int | None = None
     ignore_eos: bool = False
+    logprobs: bool | int | None = None  # chat: a bool (alternatives in top_logprobs); completions: alternatives
     # Accepted only at their neutral values: we would rather refuse than silently not honour them.
-    logprobs: bool | int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -58,6 +58,7 @@ class _Common(_Strict):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
 
 
@@ -115,8 +116,6 @@ class Generation:
 def check_unsupported(req: _Common) -> None:
     if req.n not in (None, 1):
         raise bad_request("only n=1 is supported (one choice per request)", "n", "unsupported_value")
-    if req.logprobs not in (None, False, 0):
-        raise bad_request("logprobs are not supported by this server", "logprobs", "unsupported_value")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0):
             raise bad_request(f"{name} is not supported by this server (only 0)", name, "unsupported_value")
@@ -127,6 +126,23 @@ def check_unsupported(req: _Common) -> None:
     if isinstance(req, CompletionRequest) and (req.echo or req.suffix):
         raise bad_request("echo and suffix are not supported by this server", "echo" if req.echo else "suffix",
                           "unsupported_value")
+
+
+def logprobs_asked(req: _Common) -> int | None:
+    """SamplingParams.logprobs from OpenAI's two spellings: chat takes ``logprobs: true`` plus ``top_logprobs: n``
+    alternatives, the legacy completions endpoint ``logprobs: n``. None: not asked."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs is not None and not isinstance(req.logprobs, bool):
+            raise bad_request("for chat completions logprobs is true or false; top_logprobs sets how many "
+                              "alternatives", "logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    if isinstance(req.logprobs, bool):
+        raise bad_request(f"for completions logprobs is the number of alternatives (0 to {MAX_LOGPROBS})", "logprobs")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must lie in [0, {MAX_LOGPROBS}], got {req.logprobs}", "logprobs")
+    return req.logprobs
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -197,7 +213,7 @@ def build_generation(req: _Common, prompt: list[int], param: str, max_position: 
         params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                 top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
                                 max_new_tokens=asked or min(default_max_tokens, room), seed=req.seed,
-                                ignore_eos=req.ignore_eos)
+                                ignore_eos=req.ignore_eos, logprobs=logprobs_asked(req))
     except SamplingError as exc:
         raise bad_request(str(exc)) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

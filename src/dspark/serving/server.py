@@ -105,7 +105,7 @@ async def _generate(request: Request, schema, prefix: str) -> Response:
         except EngineStopped:
             raise APIError(503, "the server is shutting down", None, "shutting_down", {"Retry-After": "5"}) from None
         try:
-            responder = Responder(gen, rid, cfg.model_name)
+            responder = Responder(gen, rid, cfg.model_name, state.llm.tokenizer)
             if gen.stream:
                 def on_close(gone: bool) -> None:
                     counters.in_flight -= 1
