@@ -38,7 +38,8 @@ CASES = [  # (body, path, status, param, code)
     ({"prompt": "hi", "top_p": 5}, "/v1/completions", 400, "top_p", "invalid_value"),
     ({"prompt": "hi", "max_tokens": 0}, "/v1/completions", 400, "max_tokens", "invalid_value"),
     ({"prompt": "hi", "seed": 2**70}, "/v1/completions", 400, "seed", "invalid_value"),
-    ({"prompt": "hi", "n": 2}, "/v1/completions", 400, "n", "unsupported_value"),
+    ({"prompt": "hi", "n": 17}, "/v1/completions", 400, "n", "invalid_value"),
+    ({"prompt": "hi", "n": 0}, "/v1/completions", 400, "n", "invalid_value"),
     ({"prompt": ["a", "b"]}, "/v1/completions", 400, "prompt", "unsupported_value"),
     ({"prompt": [1, 99999999]}, "/v1/completions", 400, "prompt", None),
     ({"prompt": ""}, "/v1/completions", 400, "prompt", None),
@@ -89,7 +90,7 @@ def test_limits_routes_and_client_exceptions(server):
         assert reply.status == status and reply.json()["error"]["message"]
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="tiny", prompt="hi", n=3)
+        client.completions.create(model="tiny", prompt="hi", n=30)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
     assert call(server, "GET", "/health").status == 200  # and still serving
@@ -162,6 +163,35 @@ def test_per_request_timeout():
 
         async def streamed():
             return [e async for _, e in sse_stream(Connection(srv.url), "/v1/completions", {**LONG, "stream": True})]
+        events = asyncio.run(streamed())
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout"
+        assert wait_until(lambda: engine_idle(srv), timeout=3)
+    finally:
+        srv.stop()
+
+
+def test_n_choices_all_freed_on_hangup_and_timeout():
+    """Every engine request of an n = 3 request is cancelled when its client hangs up mid-stream, and when the
+    per-request timeout cuts it (plain: 408; streamed: the error event, then [DONE])."""
+    srv = start_server(max_concurrency=4)
+    try:
+        async def hangup():
+            conn, stream = await _open_stream(srv.url, {**LONG, "n": 3})
+            assert len(srv.app.state.engine.engine.requests) == 3
+            conn.close()
+            await stream.aclose()
+        asyncio.run(hangup())
+        assert wait_until(lambda: engine_idle(srv), timeout=3), "KV not freed after the client hung up"
+    finally:
+        srv.stop()
+    srv = start_server(timeout_s=0.4, max_concurrency=4)
+    try:
+        reply = call(srv, "POST", "/v1/completions", {**LONG, "n": 3})
+        assert reply.status == 408 and reply.json()["error"]["code"] == "timeout"
+
+        async def streamed():
+            return [e async for _, e in sse_stream(Connection(srv.url), "/v1/completions",
+                                                   {**LONG, "n": 3, "stream": True})]
         events = asyncio.run(streamed())
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout"
         assert wait_until(lambda: engine_idle(srv), timeout=3)

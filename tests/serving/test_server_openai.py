@@ -149,3 +149,29 @@ def test_completion_logprobs_with_a_stop_string(client):
                                                                                    "seed": None})
                 if c.choices and c.choices[0].logprobs is not None for t in c.choices[0].logprobs.tokens]
     assert streamed == cut.choices[0].logprobs.tokens
+
+
+def test_n_choices_are_seeded_requests_plain_and_streamed(client, server):
+    """n = 3 with a seed: choice i is the request with seed + i, streamed or not; usage counts the prompt once."""
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=12, temperature=1.0, seed=7)
+    many = client.chat.completions.create(n=3, **kw)
+    singles = [client.chat.completions.create(**{**kw, "seed": 7 + i}) for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.message.content for c in many.choices] == [s.choices[0].message.content for s in singles]
+    assert len({c.message.content for c in many.choices}) > 1  # different seeds, different samples
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles) == 36
+    assert many.model_extra["speculative"]["rounds"] == sum(s.model_extra["speculative"]["rounds"] for s in singles)
+    texts, finishes, usage = ["", "", ""], [None] * 3, None
+    for chunk in client.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+        usage = chunk.usage or usage
+    assert texts == [c.message.content for c in many.choices] and finishes == ["length"] * 3
+    assert usage.completion_tokens == 36
+    done = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0, n=2,
+                                     logprobs=1)
+    assert done.choices[0].text == done.choices[1].text  # greedy: every choice the same
+    assert [len(c.logprobs.tokens) for c in done.choices] == [6, 6]
+    assert wait_until(lambda: engine_idle(server))

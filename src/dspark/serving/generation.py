@@ -45,46 +45,70 @@ def failure(req, timed_out: bool = False) -> APIError:
 
 
 class Responder:
-    """Builds OpenAI-shaped bodies for one request; `spec_stats` rides along as the `speculative` field."""
+    """Builds OpenAI-shaped bodies for one HTTP request of ``n`` choices (one engine request each); ``speculative``
+    rides along: per choice in its final chunk, summed over the choices in the answer and the usage chunk."""
 
     def __init__(self, gen: Generation, request_id: str, model: str, tokenizer=None):
         self.gen, self.id, self.model, self.created = gen, request_id, model, int(time.time())
         self.outcome: str | None = None  # "timeout" when the per-request timeout cut the stream
-        chat = gen.kind == "chat"
-        self.logprobs = LogprobFormatter(tokenizer, chat) if gen.params.logprobs is not None else None
-        self.object = "chat.completion" if chat else "text_completion"
-        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        self.chat = gen.kind == "chat"
+        self.object = "chat.completion" if self.chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
+        self.tokenizer, self._formatters = tokenizer, {}  # choice index -> LogprobFormatter (its own text_offset)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.gen.params.logprobs is not None
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _logprobs(self, entries) -> dict | None:
-        return None if self.logprobs is None else self.logprobs.body(entries or [])
+    def _logprobs(self, entries, index: int) -> dict | None:
+        if not self.wants_logprobs:
+            return None
+        formatter = self._formatters.setdefault(index, LogprobFormatter(self.tokenizer, self.chat))
+        return formatter.body(entries or [])
 
-    def final(self, req) -> dict:
-        choice = {"index": 0, "finish_reason": req.finish_reason, "logprobs": self._logprobs(req.logprobs)}
-        if self.gen.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": req.text}
-        else:
-            choice["text"] = req.text
-        return {**self._head(self.object), "choices": [choice], "usage": req.usage(),
-                "speculative": req.spec_stats()}
+    def final(self, reqs) -> dict:
+        choices = []
+        for i, req in enumerate(reqs):
+            choice = {"index": i, "finish_reason": req.finish_reason, "logprobs": self._logprobs(req.logprobs, i)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": req.text}
+            else:
+                choice["text"] = req.text
+            choices.append(choice)
+        return {**self._head(self.object), "choices": choices, "usage": usage(reqs),
+                "speculative": spec_stats(reqs)}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-              logprobs=None) -> dict:
+              logprobs=None, index: int = 0) -> dict:
         """logprobs: the TokenLogprob entries this chunk carries (None: none, or the request asked for none)."""
-        choice = {"index": 0, "finish_reason": finish_reason,
-                  "logprobs": None if logprobs is None else self._logprobs(logprobs)}
-        if self.gen.kind == "chat":
+        choice = {"index": index, "finish_reason": finish_reason,
+                  "logprobs": None if logprobs is None else self._logprobs(logprobs, index)}
+        if self.chat:
             choice["delta"] = {"role": "assistant", "content": ""} if role else \
                 ({} if text is None else {"content": text})
         else:
             choice["text"] = text or ""
         return {**self._head(self.chunk_object), "choices": [choice]}
 
-    def usage_chunk(self, req) -> dict:
-        return {**self._head(self.chunk_object), "choices": [], "usage": req.usage(),
-                "speculative": req.spec_stats()}
+    def usage_chunk(self, reqs) -> dict:
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage(reqs), "speculative": spec_stats(reqs)}
+
+
+def usage(reqs) -> dict:
+    """The prompt once (the choices share it), every choice's completion tokens."""
+    prompt, completion = len(reqs[0].prompt), sum(len(r.output) for r in reqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def spec_stats(reqs) -> dict:
+    if len(reqs) == 1:
+        return reqs[0].spec_stats()
+    rounds, drafted, accepted = (sum(getattr(r, k) for r in reqs) for k in ("rounds", "drafted", "accepted"))
+    return {"rounds": rounds, "drafted": drafted, "accepted": accepted,
+            "mean_accepted_length": round((accepted + rounds) / rounds, 4) if rounds else 0.0}
 
 
 async def collect(engine, req, queue, timeout: float | None) -> None:
@@ -98,21 +122,34 @@ async def collect(engine, req, queue, timeout: float | None) -> None:
         raise failure(req)
 
 
+async def collect_all(engine, reqs, queues, timeout: float | None) -> None:
+    """Every choice to its end; the first failure cancels the rest (whose streams then abort their requests)."""
+    tasks = [asyncio.ensure_future(collect(engine, r, q, timeout)) for r, q in zip(reqs, queues)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def sse(obj) -> bytes:
     return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
 
 
-async def sse_events(engine, req, queue, responder: Responder, timeout: float | None) -> AsyncIterator[bytes]:
-    """The SSE body. With stop strings, the last (longest stop - 1) characters are held back until the engine has
-    seen the following tokens: a stop string may begin in them, and the OpenAI contract (and our equality with
-    the non-streamed answer) is that no part of a stop string is ever sent."""
+async def choice_chunks(engine, req, queue, responder: Responder, index: int, timeout: float | None
+                        ) -> AsyncIterator[dict]:
+    """One choice's chunks; raises APIError if it ends without an answer. With stop strings, the last (longest
+    stop - 1) characters are held back until the engine has seen the following tokens: a stop string may begin in
+    them, and the OpenAI contract (and our equality with the non-streamed answer) is that no part of a stop string
+    is ever sent."""
     gen = responder.gen
     hold = max((len(s) for s in gen.stop), default=1) - 1
     text, sent = "", 0
-    pending: list | None = [] if responder.logprobs is not None else None  # entries seen, not sent yet
+    pending: list | None = [] if responder.wants_logprobs else None  # entries seen, not sent yet
     lp_sent = 0  # entries sent
-    if gen.kind == "chat":
-        yield sse(responder.chunk(role=True))
+    if responder.chat:
+        yield responder.chunk(role=True, index=index)
     try:
         async for out in engine.stream(req, queue, timeout):
             if out.finished:
@@ -121,33 +158,77 @@ async def sse_events(engine, req, queue, responder: Responder, timeout: float | 
             if pending is not None and out.new_logprobs:
                 pending += out.new_logprobs
             if len(text) - hold > sent:
-                yield sse(responder.chunk(text[sent: len(text) - hold], logprobs=pending))
+                yield responder.chunk(text[sent: len(text) - hold], logprobs=pending, index=index)
                 lp_sent += len(pending or ())
                 sent, pending = len(text) - hold, None if pending is None else []
     except TimeoutError:
         responder.outcome = "timeout"
-        yield sse(failure(req, timed_out=True).body())
-        yield sse(b"[DONE]")
-        return
+        raise failure(req, timed_out=True) from None
     if req.finish_reason not in ("stop", "length"):
-        yield sse(failure(req).body())
-        yield sse(b"[DONE]")
-        return
+        raise failure(req)
     if pending is not None:  # the request has finished: its entries are final, the finishing step's included
         pending = req.logprobs[lp_sent:]
     if len(req.text) > sent or pending:  # the final text (cut before a stop string) minus what already went out
-        yield sse(responder.chunk(req.text[sent:], logprobs=pending))
-    last = responder.chunk(None if gen.kind == "chat" else "", finish_reason=req.finish_reason)
+        yield responder.chunk(req.text[sent:], logprobs=pending, index=index)
+    last = responder.chunk(None if responder.chat else "", finish_reason=req.finish_reason, index=index)
     last["speculative"] = req.spec_stats()
-    yield sse(last)
-    if gen.include_usage:
-        yield sse(responder.usage_chunk(req))
+    yield last
+
+
+async def merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
+    """The items of several async iterators as they come; the first exception ends it and closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def pump(stream):
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(finished)
+        except Exception as exc:
+            await queue.put(exc)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        left = len(streams)
+        while left:
+            item = await queue.get()
+            if item is finished:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+
+
+async def sse_events(engine, reqs, queues, responder: Responder, timeout: float | None) -> AsyncIterator[bytes]:
+    """The SSE body: every choice's chunks (interleaved as they come when n > 1), the usage chunk if asked, [DONE].
+    A choice that fails ends the stream with the error (the others are cancelled)."""
+    streams = [choice_chunks(engine, r, q, responder, i, timeout) for i, (r, q) in enumerate(zip(reqs, queues))]
+    try:
+        async for chunk in (streams[0] if len(streams) == 1 else merged(streams)):
+            yield sse(chunk)
+    except APIError as exc:
+        yield sse(exc.body())
+        yield sse(b"[DONE]")
+        return
+    finally:
+        for s in streams:
+            await s.aclose()
+    if responder.gen.include_usage:
+        yield sse(responder.usage_chunk(reqs))
     yield sse(b"[DONE]")
 
 
 class SSEResponse:
     """An ASGI response that streams `events` and watches for the client leaving; `on_close` always runs
-    (completion, disconnect or error) with whether the client left; it aborts the engine request if still running."""
+    (completion, disconnect or error) with whether the client left; it aborts the engine requests still running."""
 
     headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]

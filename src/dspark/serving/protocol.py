@@ -3,6 +3,7 @@
 stop strings. Everything past this module works on plain Python values."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Literal
@@ -14,6 +15,7 @@ from ..decoding.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from .errors import APIError, ClientGone, bad_request
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n: each choice is one engine request, so one HTTP request may hold this many batch slots
 
 
 class _Strict(BaseModel):
@@ -46,7 +48,7 @@ class _Common(_Strict):
     top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM) and 0 both mean off
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch's generator takes
     stop: str | list[str] | None = None
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     ignore_eos: bool = False
     logprobs: bool | int | None = None  # chat: a bool (alternatives in top_logprobs); completions: alternatives
     # Accepted only at their neutral values: we would rather refuse than silently not honour them.
@@ -111,11 +113,17 @@ class Generation:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    n: int = 1
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice i samples with seed + i (mod 2**64; the request's own seed for choice 0), so a seeded request of
+        n choices is n seeded requests; without a seed every choice draws from fresh entropy."""
+        if index == 0 or self.params.seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=(self.params.seed + index) % 2**64)
 
 
 def check_unsupported(req: _Common) -> None:
-    if req.n not in (None, 1):
-        raise bad_request("only n=1 is supported (one choice per request)", "n", "unsupported_value")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0):
             raise bad_request(f"{name} is not supported by this server (only 0)", name, "unsupported_value")
@@ -218,4 +226,4 @@ def build_generation(req: _Common, prompt: list[int], param: str, max_position: 
         raise bad_request(str(exc)) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
-    return Generation(kind, prompt, params, stop_strings(req.stop), req.stream, include_usage)
+    return Generation(kind, prompt, params, stop_strings(req.stop), req.stream, include_usage, req.n or 1)

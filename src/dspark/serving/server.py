@@ -24,7 +24,7 @@ from ..engine.async_engine import EngineStopped
 from ..engine.engine import RequestRejected
 from .bridge import ServingEngine, resident_memory_bytes
 from .errors import APIError, ClientGone, bad_request, from_pydantic
-from .generation import Responder, SSEResponse, collect, race_disconnect, sse_events
+from .generation import Responder, SSEResponse, collect_all, race_disconnect, sse_events
 from .metrics import ServerCounters, render
 from .protocol import (ChatCompletionRequest, CompletionRequest, build_generation, check_unsupported,
                        encode_prompt, read_json)
@@ -67,6 +67,37 @@ class ServerState:
             return self._drain
 
 
+async def _submit(state: ServerState, gen, rid: str, param: str) -> list[tuple[str, object, asyncio.Queue]]:
+    """One engine request per choice (the first under ``rid``); if any cannot be submitted, those that were are
+    aborted before the error is answered."""
+    choices = []
+    try:
+        for i in range(gen.n):
+            choice_id = rid if i == 0 else f"{rid}-{i}"
+            req, queue = await state.engine.submit_async(gen.prompt, gen.choice_params(i), gen.stop,
+                                                         request_id=choice_id)
+            choices.append((choice_id, req, queue))
+    except RequestRejected as exc:
+        _abort(state, choices)
+        state.counters.rejected["too_long"] += 1
+        raise bad_request(str(exc), param, "context_length_exceeded") from None
+    except EngineStopped:
+        _abort(state, choices)
+        raise APIError(503, "the server is shutting down", None, "shutting_down", {"Retry-After": "5"}) from None
+    except BaseException:  # the client left while a choice was being submitted
+        _abort(state, choices)
+        raise
+    return choices
+
+
+def _abort(state: ServerState, choices, keep_queues: bool = False) -> None:
+    for choice_id, req, _ in choices:
+        if not keep_queues:
+            state.engine.queues.pop(choice_id, None)
+        if not req.finished:
+            state.engine.abort(choice_id)
+
+
 async def _generate(request: Request, schema, prefix: str) -> Response:
     state: ServerState = request.app.state.dspark
     cfg, counters = state.config, state.counters
@@ -97,13 +128,8 @@ async def _generate(request: Request, schema, prefix: str) -> Response:
                                                 model_cfg.vocab_size)
         gen = build_generation(parsed, ids, param, model_cfg.max_position, cfg.default_max_tokens)
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        try:
-            req, queue = await state.engine.submit_async(gen.prompt, gen.params, gen.stop, request_id=rid)
-        except RequestRejected as exc:
-            counters.rejected["too_long"] += 1
-            raise bad_request(str(exc), param, "context_length_exceeded") from None
-        except EngineStopped:
-            raise APIError(503, "the server is shutting down", None, "shutting_down", {"Retry-After": "5"}) from None
+        choices = await _submit(state, gen, rid, param)  # (engine request id, request, queue) per choice
+        reqs, queues = [r for _, r, _ in choices], [q for _, _, q in choices]
         try:
             responder = Responder(gen, rid, cfg.model_name, state.llm.tokenizer)
             if gen.stream:
@@ -111,11 +137,10 @@ async def _generate(request: Request, schema, prefix: str) -> Response:
                     counters.in_flight -= 1
                     counters.disconnects += gone
                     counters.timeouts += responder.outcome == "timeout"
-                    if not req.finished:
-                        state.engine.abort(req.request_id)
+                    _abort(state, choices, keep_queues=True)  # the stream's own cleanup drops them
                 handed_off = True
-                return SSEResponse(sse_events(state.engine, req, queue, responder, cfg.timeout_s), on_close)
-            await race_disconnect(collect(state.engine, req, queue, cfg.timeout_s), request.receive)
+                return SSEResponse(sse_events(state.engine, reqs, queues, responder, cfg.timeout_s), on_close)
+            await race_disconnect(collect_all(state.engine, reqs, queues, cfg.timeout_s), request.receive)
         except ClientGone:
             counters.disconnects += 1
             return Response(status_code=499)  # nobody reads it; 499 is nginx's "client closed request"
@@ -124,10 +149,8 @@ async def _generate(request: Request, schema, prefix: str) -> Response:
             raise
         finally:
             if not handed_off:  # whatever went wrong, a submitted request never lingers
-                state.engine.queues.pop(rid, None)
-                if not req.finished:
-                    state.engine.abort(rid)
-        return JSONResponse(responder.final(req))
+                _abort(state, choices)
+        return JSONResponse(responder.final(reqs))
     finally:
         if not handed_off:
             counters.in_flight -= 1
