@@ -72,12 +72,16 @@ def test_ragged_batch_with_caches_and_rollback(kind, fast_kernels):
         assert rel_diff(torch.cat(got[r]), ref) < 1e-3, f"request {r}"
 
 
-def test_sliding_window_is_exercised():
-    """With window 5 and 23 tokens, a full-attention forward must differ from Gemma3's: the mask matters."""
-    hf = hf_model("gemma3")
+@pytest.mark.parametrize("kind,sliding", [("gemma3", (0, 1, 3)), ("mistral", (0, 1)), ("qwen2_sliding", (1, 2))])
+def test_sliding_window_is_exercised(kind, sliding):
+    """With a window of 5-6 and 23 tokens, a full-attention forward must differ from the family's: the mask
+    matters, and the layers that slide are the ones transformers slides."""
+    hf = hf_model(kind)
     ours = ours_from_hf(hf)
+    assert tuple(i for i in range(ours.config.num_layers) if ours.config.is_sliding(i)) == sliding
     ids = torch.randint(0, 96, (23,), generator=torch.Generator().manual_seed(3))
     ref, _ = hf_logits_and_hidden(hf, ids)
+    assert rel_diff(ours.forward(ids, [Segment(ours.new_cache(), 0, len(ids))]).logits, ref) < 1e-3
     object.__setattr__(ours.config, "sliding_window", 10_000)  # widen the window on our side only
     wrong = ours.forward(ids, [Segment(ours.new_cache(), 0, len(ids))]).logits
     assert rel_diff(wrong[:5], ref[:5]) < 1e-3  # inside the first window nothing changes

@@ -1,6 +1,6 @@
 """The architecture record of a target model, parsed once from a Hugging Face `config.json`.
 
-One frozen record covers the Llama, Qwen3 and Gemma3 families; the forward pass branches on a handful
+One frozen record covers the Llama, Mistral, Qwen2 (2.5), Qwen3 and Gemma3 families; the forward pass branches on a handful
 of flags rather than on the family name, so a new family is a new parser, not a new forward.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_FAMILIES = ("llama", "qwen3", "gemma3_text")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -133,9 +133,11 @@ def parse_hf_config(raw: dict) -> ModelConfig:
                 rope = _rope_from(rope_params, default_theta, max_pos)
                 rope_local = RopeSpec(theta=float(raw.get("rope_local_base_freq", 10000.0)))
         else:
-            layer_types = tuple(raw.get("layer_types") or ["full_attention"] * layers)
+            layer_types = tuple(raw.get("layer_types") or _layer_types(raw, family, layers))
             rope, rope_local = _rope_from(rope_params, default_theta, max_pos), None
-        sliding = raw.get("sliding_window") if (gemma or raw.get("use_sliding_window")) else None
+        # Mistral's window applies whenever it is set; Qwen's only with use_sliding_window
+        windowed = gemma or family == "mistral" or raw.get("use_sliding_window")
+        sliding = raw.get("sliding_window") if windowed else None
         activation = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
         return ModelConfig(
             family=family,
@@ -152,7 +154,7 @@ def parse_hf_config(raw: dict) -> ModelConfig:
             rope=rope,
             rope_local=rope_local,
             activation="gelu_tanh" if "gelu" in activation else "silu",
-            attention_bias=bool(raw.get("attention_bias", False)),
+            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),  # Qwen2: q, k, v biases
             qk_norm=family in ("qwen3", "gemma3_text"),
             gemma_norm=gemma,
             query_scale=float(raw["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
@@ -165,6 +167,18 @@ def parse_hf_config(raw: dict) -> ModelConfig:
         )
     except KeyError as exc:
         raise ModelConfigError(f"config.json lacks the required field {exc.args[0]!r}") from None
+
+
+def _layer_types(raw: dict, family: str, layers: int) -> list[str]:
+    """What transformers derives when config.json lists no layer_types: Mistral slides every layer when its window
+    is set; Qwen2/Qwen3 with use_sliding_window slide the layers from max_window_layers on."""
+    window = raw.get("sliding_window")
+    if family == "mistral" and window:
+        return ["sliding_attention"] * layers
+    if family in ("qwen2", "qwen3") and window and raw.get("use_sliding_window"):
+        first = int(raw.get("max_window_layers", layers))
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return ["full_attention"] * layers
 
 
 def _gemma_layer_types(raw: dict, layers: int) -> list[str]:
