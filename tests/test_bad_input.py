@@ -25,7 +25,7 @@ def test_unknown_model_names_what_is_accepted(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
-    with pytest.raises(ModelConfigError, match="supported: llama, qwen3, gemma3_text"):
+    with pytest.raises(ModelConfigError, match="supported: llama, mistral, qwen2, qwen3, gemma3_text"):
         load_model(str(tmp_path))
 
 
