@@ -49,6 +49,10 @@ def valid_payload(rng: random.Random, model: str, max_tokens: int) -> tuple[str,
         payload["top_k"] = 20
     if rng.random() < 0.3:
         payload["stop"] = rng.choice([[" the"], ["\n\n", "."], "e"])
+    if rng.random() < 0.15:
+        payload["n"] = rng.choice([2, 3])
+    if rng.random() < 0.2:
+        payload.update({"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2})
     if chat:
         payload["messages"] = [{"role": "user", "content": f"Tell me about {topic}."}]
         return "/v1/chat/completions", payload
@@ -63,7 +67,7 @@ def malformed(rng: random.Random, model: str, max_len: int, api_key: str | None)
              ("not_utf8", 400, "POST", c, b'{"prompt": "\xff\xfe\xfd"}', {}),
              ("nan", 400, "POST", c, b'{"prompt": "hi", "temperature": NaN}', {}),
              ("wrong_type", 400, "POST", c, json.dumps({"prompt": "hi", "temperature": "hot"}).encode(), {}),
-             ("n_2", 400, "POST", c, json.dumps({"prompt": "hi", "n": 2}).encode(), {}),
+             ("n_too_many", 400, "POST", c, json.dumps({"prompt": "hi", "n": 99}).encode(), {}),
              ("bad_top_p", 400, "POST", ch, json.dumps({"messages": [{"role": "user", "content": "x"}],
                                                          "top_p": 5}).encode(), {}),
              ("missing_messages", 400, "POST", ch, b"{}", {}),
@@ -79,10 +83,13 @@ def malformed(rng: random.Random, model: str, max_len: int, api_key: str | None)
 
 
 async def _stream(cfg, path: str, payload: dict, hang_after: int | None, tally: Tally):
-    """-> (text, finish_reason, usage) of a completed stream, or None (hung up / failed / rate limited)."""
+    """-> ((text per choice), (finish_reason per choice), usage) of a completed stream, or None (hung up / failed /
+    rate limited)."""
     payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    n = payload.get("n", 1)
     for _ in range(5):
-        conn, text, finish, usage, events = Connection(cfg.url, cfg.api_key), [], None, None, 0
+        conn, usage, events = Connection(cfg.url, cfg.api_key), None, 0
+        text, finish = [[] for _ in range(n)], [None] * n
         try:
             async for status, event in sse_stream(conn, path, payload):
                 if status == 429:
@@ -94,15 +101,16 @@ async def _stream(cfg, path: str, payload: dict, hang_after: int | None, tally: 
                     tally.problem(f"{path} stream -> {status}: {event}")
                     return None
                 if event == "[DONE]":
-                    return "".join(text), finish, usage
+                    return tuple("".join(t) for t in text), tuple(finish), usage
                 if "error" in event:
                     tally.stream_errors += 1
                     tally.problem(f"{path} stream error event: {event['error']}")
                     return None
                 events += 1
                 for choice in event.get("choices", []):
-                    text.append(choice.get("delta", {}).get("content") or choice.get("text") or "")
-                    finish = choice.get("finish_reason") or finish
+                    i = choice["index"]
+                    text[i].append(choice.get("delta", {}).get("content") or choice.get("text") or "")
+                    finish[i] = choice.get("finish_reason") or finish[i]
                 usage = event.get("usage") or usage
                 if hang_after is not None and events >= hang_after:
                     tally.hangups += 1
@@ -131,9 +139,9 @@ async def plain(cfg, path: str, payload: dict, tally: Tally):
             tally.problem(f"{path} -> {reply.status}: {reply.body[:200]!r}")
             return None
         body = reply.json()
-        choice = body["choices"][0]
-        text = choice["message"]["content"] if "message" in choice else choice["text"]
-        return text, choice["finish_reason"], body["usage"]
+        choices = body["choices"]
+        texts = tuple(c["message"]["content"] if "message" in c else c["text"] for c in choices)
+        return texts, tuple(c["finish_reason"] for c in choices), body["usage"]
     tally.gave_up += 1
     return None
 
