@@ -1,7 +1,8 @@
 """GGUF file -> Hugging Face layout (config dict + fp32 tensors with HF names), de-quantised with `gguf`.
 
 Two conventions of llama.cpp's converter must be undone: Llama q/k rows are interleaved per head for its
-rotary kernel, and Gemma norm weights are stored as (1 + w).
+rotary kernel (Qwen2/Qwen3 use the NeoX rotation there and are stored as in Hugging Face), and Gemma norm weights
+are stored as (1 + w).
 """
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 # Norms whose meaning depends on the family (sandwich norms in Gemma).
-_FFN_NORM = {"llama": "post_attention_layernorm", "qwen3": "post_attention_layernorm",
-             "gemma3": "pre_feedforward_layernorm"}
+_FFN_NORM = {"llama": "post_attention_layernorm", "qwen2": "post_attention_layernorm",
+             "qwen3": "post_attention_layernorm", "gemma3": "pre_feedforward_layernorm"}
 _GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-_MODEL_TYPE = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 
 
 class GGUFError(ValueError):
@@ -102,7 +103,7 @@ def _config_from_fields(reader, arch: str) -> dict:
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     config = {
         "model_type": _MODEL_TYPE[arch],
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            "gemma3": "Gemma3ForCausalLM"}[arch]],
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
