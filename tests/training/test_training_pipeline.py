@@ -5,6 +5,7 @@ states of committed tokens — the observe() contract the engine implements.
 """
 import json
 
+import pytest
 import torch
 
 from dspark.decoding import SamplingParams
@@ -44,8 +45,11 @@ class ObservingDrafter(Drafter):
         self.inner.release(request)
 
 
-def test_pipeline(tmp_path):
-    target_dir = make_target_dir(tmp_path / "target")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
+def test_pipeline(tmp_path, family):
+    """Any supported target: Llama, Qwen2 (biases in the drafter layer initialised from the target's), Gemma3
+    (sandwich norms, sliding window, soft-capped logits)."""
+    target_dir = make_target_dir(tmp_path / "target", family=family)
     prompts = write_prompts(tmp_path / "prompts.jsonl", 8)
     gen, cache, run = tmp_path / "gen", tmp_path / "cache", tmp_path / "run"
     model = ["--model", str(target_dir)]
@@ -79,6 +83,7 @@ out_dir = "{run}"
 
     loaded = load_model(str(target_dir))
     drafter = make_drafter(str(run / "drafter"), target=loaded)
+    assert (drafter.model.layers[0].qkv.bias is not None) == (family == "qwen2")  # the target family's layer
     observing = ObservingTarget(loaded.model, drafter.needs_layers)
     params = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
     prompt = [0, 10, 11, 12, 13, 1]

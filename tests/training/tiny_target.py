@@ -30,15 +30,22 @@ def make_tokenizer():
                                    pad_token="<|im_end|>", chat_template=TEMPLATE)
 
 
-def make_target_dir(path: Path, seed: int = 0, layers: int = 3) -> Path:
+FAMILY_EXTRAS = {  # what each family needs beyond the shared shape
+    "llama": {},
+    "qwen2": {},  # q/k/v biases
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=30.0),
+}
+
+
+def make_target_dir(path: Path, seed: int = 0, layers: int = 3, family: str = "llama") -> Path:
     """Write config.json + model.safetensors + tokenizer files; `load_model(str(path))` then works."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
-    config = AutoConfig.for_model(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+    config = AutoConfig.for_model(model_type=family, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                                  rope_theta=10000.0, eos_token_id=1, bos_token_id=0)
+                                  rope_theta=10000.0, eos_token_id=1, bos_token_id=0, **FAMILY_EXTRAS[family])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # larger logits: a peaked, less uniform random target
