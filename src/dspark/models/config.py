@@ -1,7 +1,7 @@
 """The architecture record of a target model, parsed once from a Hugging Face `config.json`.
 
-One frozen record covers the Llama, Mistral, Qwen2 (2.5), Qwen3 and Gemma3 families; the forward pass branches on a handful
-of flags rather than on the family name, so a new family is a new parser, not a new forward.
+One frozen record covers the Llama, Mistral, Qwen2 (2.5), Qwen3 and Gemma3 families; the forward pass branches on
+a handful of flags rather than on the family name, so a new family is a new parser, not a new forward.
 """
 from __future__ import annotations
 
