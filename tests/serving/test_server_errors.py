@@ -40,6 +40,7 @@ CASES = [  # (body, path, status, param, code)
     ({"prompt": "hi", "seed": 2**70}, "/v1/completions", 400, "seed", "invalid_value"),
     ({"prompt": "hi", "n": 17}, "/v1/completions", 400, "n", "invalid_value"),
     ({"prompt": "hi", "n": 0}, "/v1/completions", 400, "n", "invalid_value"),
+    ({"prompt": "hi", "stop_token_ids": [-1]}, "/v1/completions", 400, "stop_token_ids", None),
     ({"prompt": ["a", "b"]}, "/v1/completions", 400, "prompt", "unsupported_value"),
     ({"prompt": [1, 99999999]}, "/v1/completions", 400, "prompt", None),
     ({"prompt": ""}, "/v1/completions", 400, "prompt", None),

@@ -175,3 +175,18 @@ def test_n_choices_are_seeded_requests_plain_and_streamed(client, server):
     assert done.choices[0].text == done.choices[1].text  # greedy: every choice the same
     assert [len(c.logprobs.tokens) for c in done.choices] == [6, 6]
     assert wait_until(lambda: engine_idle(server))
+
+
+def test_stop_token_ids_end_the_answer(client, server):
+    """vLLM's stop_token_ids: the greedy first token, named as a stop token, ends the answer right there."""
+    import torch
+    from dspark.models import Segment
+
+    model, prompt = server.app.state.llm.engine.model, [5, 6, 7, 8]
+    ids = torch.tensor(prompt)
+    first = int(model.forward(ids, [Segment(model.new_cache(), 0, len(ids))]).logits[-1].argmax())
+    done = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+                                     extra_body={"stop_token_ids": [first]})
+    assert done.choices[0].finish_reason == "stop" and done.usage.completion_tokens == 1
+    free = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+    assert free.usage.completion_tokens == 10

@@ -50,6 +50,7 @@ class _Common(_Strict):
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_STRINGS)  # vLLM's extension
     logprobs: bool | int | None = None  # chat: a bool (alternatives in top_logprobs); completions: alternatives
     # Accepted only at their neutral values: we would rather refuse than silently not honour them.
     presence_penalty: float | None = None
@@ -201,8 +202,14 @@ def encode_prompt(req: _Common, tokenizer, vocab_size: int) -> tuple[list[int], 
     return list(prompt), "prompt"
 
 
+def stop_ids(ids: list[int] | None, vocab_size: int) -> tuple[int, ...]:
+    if ids and any(not 0 <= t < vocab_size for t in ids):
+        raise bad_request(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    return tuple(dict.fromkeys(ids or ()))
+
+
 def build_generation(req: _Common, prompt: list[int], param: str, max_position: int,
-                     default_max_tokens: int) -> Generation:
+                     default_max_tokens: int, vocab_size: int) -> Generation:
     """Checks lengths against the context window (OpenAI's 400 `context_length_exceeded`) and sampling values."""
     if not prompt:
         raise bad_request("the prompt is empty", param)
@@ -221,7 +228,8 @@ def build_generation(req: _Common, prompt: list[int], param: str, max_position: 
         params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                 top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
                                 max_new_tokens=asked or min(default_max_tokens, room), seed=req.seed,
-                                ignore_eos=req.ignore_eos, logprobs=logprobs_asked(req))
+                                ignore_eos=req.ignore_eos, logprobs=logprobs_asked(req),
+                                stop_token_ids=stop_ids(req.stop_token_ids, vocab_size))
     except SamplingError as exc:
         raise bad_request(str(exc)) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

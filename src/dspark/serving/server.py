@@ -126,7 +126,8 @@ async def _generate(request: Request, schema, prefix: str) -> Response:
         loop = asyncio.get_running_loop()
         ids, param = await loop.run_in_executor(state.tokenize_pool, encode_prompt, parsed, state.llm.tokenizer,
                                                 model_cfg.vocab_size)
-        gen = build_generation(parsed, ids, param, model_cfg.max_position, cfg.default_max_tokens)
+        gen = build_generation(parsed, ids, param, model_cfg.max_position, cfg.default_max_tokens,
+                               model_cfg.vocab_size)
         rid = f"{prefix}-{uuid.uuid4().hex}"
         choices = await _submit(state, gen, rid, param)  # (engine request id, request, queue) per choice
         reqs, queues = [r for _, r, _ in choices], [q for _, _, q in choices]
