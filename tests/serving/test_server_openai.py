@@ -190,3 +190,21 @@ def test_stop_token_ids_end_the_answer(client, server):
     assert done.choices[0].finish_reason == "stop" and done.usage.completion_tokens == 1
     free = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
     assert free.usage.completion_tokens == 10
+
+
+def test_logit_bias_forces_and_bans(client, server):
+    """+100 on one token makes it the whole greedy answer; -100 on the greedy first token removes it."""
+    import torch
+    from dspark.models import Segment
+
+    model, prompt = server.app.state.llm.engine.model, [5, 6, 7, 8]
+    forced = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=0,
+                                       logit_bias={"1234": 100})
+    tok = server.app.state.llm.tokenizer
+    assert forced.choices[0].logprobs.tokens == [tok.decode([1234])] * 6
+    ids = torch.tensor(prompt)
+    first = int(model.forward(ids, [Segment(model.new_cache(), 0, len(ids))]).logits[-1].argmax())
+    banned = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=0,
+                                       logit_bias={str(first): -100})
+    free = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=0)
+    assert free.choices[0].logprobs.tokens == [tok.decode([first])] != banned.choices[0].logprobs.tokens

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import SamplingParams, to_probs
+from .sampling import SamplingParams, target_logits, to_probs
 from .verify import VerifyResult, accept_greedy, draw_uniforms, verify
 
 
@@ -35,11 +35,15 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
         width = int(num_draft[idx].max())  # drafts any request of the group verifies; slots beyond are unused
         draft, stops = drafts[idx, :width], stop_mask[idx, :width]
         if is_greedy:
-            res = accept_greedy(draft, _argmax_tokens(logits, group, width, table), num_draft[idx], stops)
+            biased = any(params[r].logit_bias for r in group)
+            best = (_argmax_tokens([target_logits(logits[r], params[r]) if r in group else None
+                                    for r in range(R)], group, width, None) if biased
+                    else _argmax_tokens(logits, group, width, table))
+            res = accept_greedy(draft, best, num_draft[idx], stops)
         else:
             rows = torch.zeros(len(group), width + 1, vocab)  # [G, width+1, V], zero beyond each ℓ_r + 1
             for i, r in enumerate(group):
-                block = to_probs(logits[r], params[r])
+                block = to_probs(target_logits(logits[r], params[r]), params[r])
                 rows[i, : block.shape[0]] = block
             uniforms = draw_uniforms([generators[r] for r in group], num_draft[idx], width)
             q = None if draft_probs is None else draft_probs[idx, :width]

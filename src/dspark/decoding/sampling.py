@@ -15,6 +15,7 @@ class SamplingError(ValueError):
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI's API allows
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class SamplingParams:
     # None: no log-probabilities; n >= 0: each emitted token's log-probability under the target's raw
     # distribution and its n most likely alternatives (decoding/logprobs.py); read-only, it changes no token
     logprobs: int | None = None
+    # (token id, bias) pairs added to the *target's* logits before everything else (target_logits below): the
+    # distribution sampled from is softmax((logits + bias) / T) after top-k/top-p, exactly, under every drafter
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature \
@@ -43,10 +47,28 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or int(self.logprobs) != self.logprobs
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise SamplingError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for pair in self.logit_bias:
+            if (len(pair) != 2 or isinstance(pair[0], bool) or int(pair[0]) != pair[0] or pair[0] < 0
+                    or not -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS):
+                raise SamplingError(f"logit_bias entries must be (token id >= 0, bias in [-{MAX_LOGIT_BIAS:g}, "
+                                    f"{MAX_LOGIT_BIAS:g}]), got {pair!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def target_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The target's logits [..., V] as this request samples from them: with its logit_bias added (a new tensor; the
+    raw logits stay what log-probabilities report). Only verification calls it — a drafter may leave the bias out:
+    its q is whatever it sampled from, so acceptance uses the biased p either way (it only drafts worse)."""
+    if not params.logit_bias:
+        return logits
+    ids = torch.tensor([t for t, _ in params.logit_bias], device=logits.device)
+    if int(ids.max()) >= logits.shape[-1]:
+        raise SamplingError(f"logit_bias names token {int(ids.max())}; the vocabulary has {logits.shape[-1]}")
+    bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=logits.device)
+    return logits.float().index_add(-1, ids, bias.expand(*logits.shape[:-1], -1))
 
 
 def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

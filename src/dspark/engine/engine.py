@@ -65,6 +65,9 @@ class Engine:
         if len(prompt) >= self.model.config.max_position:
             raise RequestRejected(f"prompt has {len(prompt)} tokens; the context window is "
                                   f"{self.model.config.max_position}")
+        vocab = self.model.config.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise RequestRejected(f"logit_bias names a token id beyond the vocabulary of {vocab}")
         req = Request(prompt=list(prompt), params=params, stop_strings=tuple(stop_strings))
         if request_id is not None:
             req.request_id = request_id

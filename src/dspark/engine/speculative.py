@@ -12,6 +12,7 @@ from typing import Iterator, Protocol
 import torch
 
 from ..decoding import SamplingParams, draw_uniforms, make_generator, to_probs, verify, verify_greedy
+from ..decoding.sampling import target_logits
 from ..drafters.base import DraftRequest, Drafter
 from ..models.transformer import Segment, Transformer
 
@@ -175,6 +176,7 @@ class Generation:
 
     def _verify(self, drafts, probs, logits, n: int):
         num = torch.tensor([n])
+        logits = target_logits(logits, self.params)
         if self.params.greedy:
             return verify_greedy(drafts, logits, num, self.stop_ids)
         target_probs = to_probs(logits, self.params)  # [1, n+1, V]

@@ -15,6 +15,7 @@ from ..decoding.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from .errors import APIError, ClientGone, bad_request
 
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's limit on logit_bias entries
 MAX_CHOICES = 16  # n: each choice is one engine request, so one HTTP request may hold this many batch slots
 
 
@@ -52,10 +53,10 @@ class _Common(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_STRINGS)  # vLLM's extension
     logprobs: bool | int | None = None  # chat: a bool (alternatives in top_logprobs); completions: alternatives
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS_TOKENS)  # token id -> bias
     # Accepted only at their neutral values: we would rather refuse than silently not honour them.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -128,8 +129,6 @@ def check_unsupported(req: _Common) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0):
             raise bad_request(f"{name} is not supported by this server (only 0)", name, "unsupported_value")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", "logit_bias", "unsupported_value")
     if isinstance(req, ChatCompletionRequest) and req.tools:
         raise bad_request("tools are not supported by this server", "tools", "unsupported_value")
     if isinstance(req, CompletionRequest) and (req.echo or req.suffix):
@@ -202,6 +201,16 @@ def encode_prompt(req: _Common, tokenizer, vocab_size: int) -> tuple[list[int], 
     return list(prompt), "prompt"
 
 
+def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} -> SamplingParams.logit_bias (ids checked against the vocabulary)."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
 def stop_ids(ids: list[int] | None, vocab_size: int) -> tuple[int, ...]:
     if ids and any(not 0 <= t < vocab_size for t in ids):
         raise bad_request(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
@@ -229,7 +238,8 @@ def build_generation(req: _Common, prompt: list[int], param: str, max_position: 
                                 top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
                                 max_new_tokens=asked or min(default_max_tokens, room), seed=req.seed,
                                 ignore_eos=req.ignore_eos, logprobs=logprobs_asked(req),
-                                stop_token_ids=stop_ids(req.stop_token_ids, vocab_size))
+                                stop_token_ids=stop_ids(req.stop_token_ids, vocab_size),
+                                logit_bias=logit_bias(req.logit_bias, vocab_size))
     except SamplingError as exc:
         raise bad_request(str(exc)) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
