@@ -7,6 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from dspark.decoding import SamplingError, SamplingParams, sample_from, to_probs
+from dspark.decoding.sampling import target_logits
 from dspark.drafters import make_drafter
 from dspark.drafters.base import Drafter, Proposal
 from dspark.engine import Generation, TransformerTarget
@@ -73,13 +74,25 @@ def tiny_target():
 
 
 def exact_distribution(model, prompt, params, depth=3):
+    """P(first `depth` tokens) under the target as `params` samples it (its logit_bias included)."""
     out = {}
     for seq in itertools.product(range(V), repeat=depth):
         ids = torch.tensor(prompt + list(seq[:-1]))
         logits = model.forward(ids, [Segment(model.new_cache(), 0, len(ids))]).logits[len(prompt) - 1:]
-        probs = to_probs(logits, params)
+        probs = to_probs(target_logits(logits, params), params)
         out[seq] = float(np.prod([float(probs[i, t]) for i, t in enumerate(seq)]))
     return out
+
+
+def chi_square_p(reqs, exact: dict) -> float:
+    """Chi-square p-value of the requests' outputs against the exact distribution (cells expecting < 5 pooled)."""
+    n, counts = len(reqs), {}
+    for r in reqs:
+        counts[tuple(r.output)] = counts.get(tuple(r.output), 0) + 1
+    keys = [k for k in exact if exact[k] * n >= 5]
+    obs = np.array([counts.get(k, 0) for k in keys] + [n - sum(counts.get(k, 0) for k in keys)], dtype=float)
+    exp = np.array([exact[k] * n for k in keys] + [n - sum(exact[k] * n for k in keys)])
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
 SPS = lambda b: 1.0 / (0.010 + 1e-5 * np.maximum(np.asarray(b, dtype=float) - 64, 0))  # noqa: E731
@@ -95,14 +108,7 @@ def test_engine_output_distribution_at_batch_512(policy):
                     EngineConfig(gamma=GAMMA, max_running=512))
     prompt, n = [1, 4, 2], 20_000
     reqs = run_engine(engine, [prompt] * n, [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(n)])
-    counts = {}
-    for r in reqs:
-        counts[tuple(r.output)] = counts.get(tuple(r.output), 0) + 1
-    exact = exact_distribution(model, prompt, params)
-    keys = [k for k in exact if exact[k] * n >= 5]
-    obs = np.array([counts.get(k, 0) for k in keys] + [n - sum(counts.get(k, 0) for k in keys)], dtype=float)
-    exp = np.array([exact[k] * n for k in keys] + [n - sum(exact[k] * n for k in keys)])
-    p = chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+    p = chi_square_p(reqs, exact_distribution(model, prompt, params))
     print(f"{policy}: chi-square p = {p:.3f}, mean accepted {np.mean([r.accepted / r.rounds for r in reqs]):.2f}")
     assert p > 1e-3
 

@@ -1,20 +1,13 @@
 """logit_bias: added to the target's logits before temperature, top-k and top-p; the engine's output is exactly
 the biased target's, greedy, seeded and in distribution, whatever the drafter (which samples unbiased here)."""
-import itertools
-
-import numpy as np
 import pytest
-import torch
-from scipy.stats import chisquare
 
-from dspark.decoding import SamplingError, SamplingParams, to_probs
-from dspark.decoding.sampling import target_logits
+from dspark.decoding import SamplingError, SamplingParams
 from dspark.drafters import make_drafter
 from dspark.engine import Generation, TransformerTarget
 from dspark.engine.engine import Engine, EngineConfig, RequestRejected
-from dspark.models import Segment
 from dspark.scheduling.registry import make_policy
-from test_engine import GAMMA, SPS, V, ConfidentDrafter, run_engine, tiny_target
+from test_engine import GAMMA, SPS, V, ConfidentDrafter, chi_square_p, exact_distribution, run_engine, tiny_target
 
 BIAS = ((3, 2.5), (0, -4.0), (6, 1.0))
 
@@ -52,16 +45,6 @@ def test_seeded_biased_sampling_repeats():
     assert [r.output for r in a] == [r.output for r in b]
 
 
-def biased_distribution(model, prompt, params, depth=3):
-    out = {}
-    for seq in itertools.product(range(V), repeat=depth):
-        ids = torch.tensor(prompt + list(seq[:-1]))
-        logits = model.forward(ids, [Segment(model.new_cache(), 0, len(ids))]).logits[len(prompt) - 1:]
-        probs = to_probs(target_logits(logits, params), params)
-        out[seq] = float(np.prod([float(probs[i, t]) for i, t in enumerate(seq)]))
-    return out
-
-
 @pytest.mark.parametrize("policy", ["fixed-2", "async"])
 def test_biased_output_distribution_at_batch_512(policy):
     model = tiny_target()
@@ -69,17 +52,11 @@ def test_biased_output_distribution_at_batch_512(policy):
     prompt, n = [1, 4, 2], 20_000
     reqs = run_engine(engine(model, policy, 512), [prompt] * n,
                       [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(n)])
-    counts = {}
-    for r in reqs:
-        counts[tuple(r.output)] = counts.get(tuple(r.output), 0) + 1
-    exact = biased_distribution(model, prompt, params)
-    keys = [k for k in exact if exact[k] * n >= 5]
-    obs = np.array([counts.get(k, 0) for k in keys] + [n - sum(counts.get(k, 0) for k in keys)], dtype=float)
-    exp = np.array([exact[k] * n for k in keys] + [n - sum(exact[k] * n for k in keys)])
-    p = chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+    exact = exact_distribution(model, prompt, params)
+    p = chi_square_p(reqs, exact)
     print(f"{policy}: chi-square p = {p:.3f}")
     assert p > 1e-3
-    plain = biased_distribution(model, prompt, SamplingParams(**{**params.__dict__, "logit_bias": ()}))
+    plain = exact_distribution(model, prompt, SamplingParams(**{**params.__dict__, "logit_bias": ()}))
     assert sum(abs(exact[k] - plain[k]) for k in exact) / 2 > 0.2  # ignoring the bias would fail the test
 
 
