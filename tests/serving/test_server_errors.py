@@ -44,6 +44,7 @@ CASES = [  # (body, path, status, param, code)
     ({"prompt": "hi", "logit_bias": {"abc": 1}}, "/v1/completions", 400, "logit_bias", None),
     ({"prompt": "hi", "logit_bias": {"99999999": 1}}, "/v1/completions", 400, "logit_bias", None),
     ({"prompt": "hi", "logit_bias": {"5": 500}}, "/v1/completions", 400, None, None),
+    ({"prompt": "hi", "frequency_penalty": 3}, "/v1/completions", 400, None, None),
     ({"prompt": ["a", "b"]}, "/v1/completions", 400, "prompt", "unsupported_value"),
     ({"prompt": [1, 99999999]}, "/v1/completions", 400, "prompt", None),
     ({"prompt": ""}, "/v1/completions", 400, "prompt", None),

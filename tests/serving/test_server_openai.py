@@ -208,3 +208,13 @@ def test_logit_bias_forces_and_bans(client, server):
                                        logit_bias={str(first): -100})
     free = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=0)
     assert free.choices[0].logprobs.tokens == [tok.decode([first])] != banned.choices[0].logprobs.tokens
+
+
+def test_penalties_change_the_greedy_answer(client):
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=30, temperature=0, logprobs=0)
+    free = client.completions.create(**kw)
+    tokens = free.choices[0].logprobs.tokens
+    assert len(set(tokens)) < len(tokens)  # the tiny model repeats itself greedily
+    penalized = client.completions.create(frequency_penalty=2.0, presence_penalty=2.0, **kw)
+    assert penalized.choices[0].logprobs.tokens[0] == tokens[0]  # nothing generated yet: the same first token
+    assert penalized.choices[0].logprobs.tokens != tokens

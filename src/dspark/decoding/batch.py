@@ -10,11 +10,13 @@ from .verify import VerifyResult, accept_greedy, draw_uniforms, verify
 def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft: torch.Tensor,
                     draft_probs: torch.Tensor | None, params: list[SamplingParams],
                     generators: list[torch.Generator], stop_mask: torch.Tensor,
-                    table: tuple[torch.Tensor, list[int]] | None = None) -> VerifyResult:
+                    table: tuple[torch.Tensor, list[int]] | None = None,
+                    histories: list | None = None) -> VerifyResult:
     """logits[r]: [ℓ_r+1, V] target rows of request r; drafts: [R, γ]; num_draft: [R]; draft_probs: [R, γ, V]
     or None; stop_mask: [R, γ] bool (draft k of request r is one of r's stop tokens); table: (all rows [M, V],
     the first row of each request) when every logits[r] is a run of rows of one tensor, as in the engine's
-    forward: greedy requests then take one batched argmax.
+    forward: greedy requests then take one batched argmax. histories[r]: the tokens request r generated so far (its
+    anchor last), which its penalties count (decoding/sampling.target_logits).
 
     Greedy requests take the argmax fast path; the rest are processed with their own parameters (the same
     ones their drafts were processed with) and verified together. Buffers are only as wide as the longest
@@ -26,6 +28,10 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
     accepted = torch.zeros(R, dtype=torch.long)
     next_token = torch.zeros(R, dtype=torch.long)
     stopped = torch.zeros(R, dtype=torch.bool)
+
+    def adjusted(r: int) -> torch.Tensor:  # logit_bias and penalties: the target as request r samples from it
+        return target_logits(logits[r], params[r], histories[r] if histories else (), drafts[r])
+
     greedy = [r for r in range(R) if params[r].greedy]
     sampled = [r for r in range(R) if not params[r].greedy]
     for group, is_greedy in ((greedy, True), (sampled, False)):
@@ -35,15 +41,14 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
         width = int(num_draft[idx].max())  # drafts any request of the group verifies; slots beyond are unused
         draft, stops = drafts[idx, :width], stop_mask[idx, :width]
         if is_greedy:
-            biased = any(params[r].logit_bias for r in group)
-            best = (_argmax_tokens([target_logits(logits[r], params[r]) if r in group else None
-                                    for r in range(R)], group, width, None) if biased
-                    else _argmax_tokens(logits, group, width, table))
+            plain = not any(params[r].adjusts_logits for r in group)
+            best = (_argmax_tokens(logits, group, width, table) if plain
+                    else _argmax_tokens([adjusted(r) if r in group else None for r in range(R)], group, width, None))
             res = accept_greedy(draft, best, num_draft[idx], stops)
         else:
             rows = torch.zeros(len(group), width + 1, vocab)  # [G, width+1, V], zero beyond each ℓ_r + 1
             for i, r in enumerate(group):
-                block = to_probs(target_logits(logits[r], params[r]), params[r])
+                block = to_probs(adjusted(r), params[r])
                 rows[i, : block.shape[0]] = block
             uniforms = draw_uniforms([generators[r] for r in group], num_draft[idx], width)
             q = None if draft_probs is None else draft_probs[idx, :width]

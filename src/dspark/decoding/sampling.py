@@ -16,6 +16,7 @@ class SamplingError(ValueError):
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI's API allows
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI's API allows
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class SamplingParams:
     # (token id, bias) pairs added to the *target's* logits before everything else (target_logits below): the
     # distribution sampled from is softmax((logits + bias) / T) after top-k/top-p, exactly, under every drafter
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's penalties on the tokens generated so far (prompt excluded): logit -= frequency * count + presence *
+    # [count > 0]; target-side like logit_bias, and inside a verified block each row counts the drafts before it
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature \
@@ -47,6 +52,10 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or int(self.logprobs) != self.logprobs
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise SamplingError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise SamplingError(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
         for pair in self.logit_bias:
             if (len(pair) != 2 or isinstance(pair[0], bool) or int(pair[0]) != pair[0] or pair[0] < 0
                     or not -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS):
@@ -57,18 +66,45 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether target_logits changes the target's logits for this request (logit_bias or a penalty)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
 
-def target_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The target's logits [..., V] as this request samples from them: with its logit_bias added (a new tensor; the
-    raw logits stay what log-probabilities report). Only verification calls it — a drafter may leave the bias out:
-    its q is whatever it sampled from, so acceptance uses the biased p either way (it only drafts worse)."""
-    if not params.logit_bias:
+
+def target_logits(logits: torch.Tensor, params: SamplingParams, history=(), drafts=None) -> torch.Tensor:
+    """The target's logits [n, V] as this request samples from them: its logit_bias and penalties applied (a new
+    tensor; the raw logits stay what log-probabilities report). Row j is the distribution after the request's
+    generated tokens ``history`` (the anchor last) and ``drafts[:j]``, the drafts verified before it. Only
+    verification calls it — a drafter may leave all this out: its q is whatever it sampled from, so acceptance
+    uses the adjusted p either way (it only drafts worse)."""
+    if not params.adjusts_logits:
         return logits
-    ids = torch.tensor([t for t, _ in params.logit_bias], device=logits.device)
-    if int(ids.max()) >= logits.shape[-1]:
-        raise SamplingError(f"logit_bias names token {int(ids.max())}; the vocabulary has {logits.shape[-1]}")
-    bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=logits.device)
-    return logits.float().index_add(-1, ids, bias.expand(*logits.shape[:-1], -1))
+    out = logits.float().clone()
+    n, vocab = out.shape[-2], out.shape[-1]
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=out.device)
+        if int(ids.max()) >= vocab:
+            raise SamplingError(f"logit_bias names token {int(ids.max())}; the vocabulary has {vocab}")
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=out.device)
+        out.index_add_(-1, ids, bias.expand(*out.shape[:-1], -1))
+    if params.presence_penalty or params.frequency_penalty:
+        counts = _token_counts(n, vocab, history, drafts, out.device)  # [n, V]
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return out
+
+
+def _token_counts(n: int, vocab: int, history, drafts, device) -> torch.Tensor:
+    """[n, V]: how often each token occurs in history + drafts[:j], row j."""
+    counts = torch.zeros(n, vocab, device=device)
+    if len(history):
+        counts += torch.bincount(torch.as_tensor(list(history), device=device), minlength=vocab)[:vocab]
+    d = [] if drafts is None else list(drafts[: n - 1].tolist() if torch.is_tensor(drafts) else drafts[: n - 1])
+    if d:
+        step = torch.zeros(n, vocab, device=device)
+        step[torch.arange(1, len(d) + 1), torch.tensor(d)] = 1.0
+        counts += step.cumsum(0)
+    return counts
 
 
 def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -176,7 +176,8 @@ class Engine:
         logits = [out.logits[rows] for rows in plan.decode_logit_rows]
         result = verify_requests(logits, plan.drafts, plan.lengths, plan.draft_probs, [r.params for r in reqs],
                                  [r.generator for r in reqs], self._stop_mask(reqs, plan.drafts, plan.lengths),
-                                 table=(out.logits, [rows.start for rows in plan.decode_logit_rows]))
+                                 table=(out.logits, [rows.start for rows in plan.decode_logit_rows]),
+                                 histories=[r.output for r in reqs])
         observe = getattr(self.policy, "observe_outcomes", None)  # online calibration (scheduling/acceptance_tracker)
         if observe is not None and plan.confidences is not None:
             observe(plan.confidences, plan.lengths.numpy(), result.accepted.numpy())

@@ -157,7 +157,7 @@ class Generation:
         t1 = time.perf_counter()
         logits = self.target.forward(state, start, [request.tokens[-1], *drafts[0].tolist()])  # [n+1, V]
         t2 = time.perf_counter()
-        result = self._verify(drafts, probs, logits.unsqueeze(0), n)
+        result = self._verify(drafts, probs, logits.unsqueeze(0), n, request.tokens[len(self.prompt):])
         accepted = int(result.accepted[0])
         t3 = time.perf_counter()
         self.target.truncate(state, start + accepted + 1)  # keep the anchor and the accepted drafts
@@ -174,9 +174,10 @@ class Generation:
         if self.drafter is not None and hidden:
             self.drafter.observe(request, hidden, n_committed)
 
-    def _verify(self, drafts, probs, logits, n: int):
+    def _verify(self, drafts, probs, logits, n: int, history=()):
+        """history: the tokens generated so far (the anchor last), which penalties count."""
         num = torch.tensor([n])
-        logits = target_logits(logits, self.params)
+        logits = target_logits(logits[0], self.params, history, drafts[0]).unsqueeze(0)
         if self.params.greedy:
             return verify_greedy(drafts, logits, num, self.stop_ids)
         target_probs = to_probs(logits, self.params)  # [1, n+1, V]

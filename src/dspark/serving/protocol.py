@@ -54,7 +54,6 @@ class _Common(_Strict):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_STRINGS)  # vLLM's extension
     logprobs: bool | int | None = None  # chat: a bool (alternatives in top_logprobs); completions: alternatives
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS_TOKENS)  # token id -> bias
-    # Accepted only at their neutral values: we would rather refuse than silently not honour them.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
@@ -126,9 +125,6 @@ class Generation:
 
 
 def check_unsupported(req: _Common) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0):
-            raise bad_request(f"{name} is not supported by this server (only 0)", name, "unsupported_value")
     if isinstance(req, ChatCompletionRequest) and req.tools:
         raise bad_request("tools are not supported by this server", "tools", "unsupported_value")
     if isinstance(req, CompletionRequest) and (req.echo or req.suffix):
@@ -239,7 +235,9 @@ def build_generation(req: _Common, prompt: list[int], param: str, max_position: 
                                 max_new_tokens=asked or min(default_max_tokens, room), seed=req.seed,
                                 ignore_eos=req.ignore_eos, logprobs=logprobs_asked(req),
                                 stop_token_ids=stop_ids(req.stop_token_ids, vocab_size),
-                                logit_bias=logit_bias(req.logit_bias, vocab_size))
+                                logit_bias=logit_bias(req.logit_bias, vocab_size),
+                                presence_penalty=req.presence_penalty or 0.0,
+                                frequency_penalty=req.frequency_penalty or 0.0)
     except SamplingError as exc:
         raise bad_request(str(exc)) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
