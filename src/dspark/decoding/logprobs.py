@@ -22,12 +22,40 @@ class TokenLogprob:
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int = 0) -> list[TokenLogprob]:
     """logits: [n, V] raw target logits, row j the distribution token j was drawn from; tokens: n ids."""
-    if not tokens:
-        return []
-    logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [n, V]
-    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
-    if top <= 0:
-        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
-    values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)  # [n, top]
-    return [TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in
-            zip(tokens, chosen, ids.tolist(), values.tolist())]
+    return batch_token_logprobs(logits, [range(len(tokens))], [tokens], [top])[0]
+
+
+def batch_token_logprobs(table: torch.Tensor, rows: list, tokens: list[list[int]], tops: list[int]
+                         ) -> list[list[TokenLogprob]]:
+    """Several requests' entries from one log-softmax and one top-k: table [M, V] raw logits; request r's tokens
+    tokens[r] were drawn from rows rows[r] of it (as many), with tops[r] alternatives each."""
+    flat_rows = [i for r, t in zip(rows, tokens) for i in list(r)[: len(t)]]
+    if not flat_rows:
+        return [[] for _ in tokens]
+    logp = torch.log_softmax(table[torch.tensor(flat_rows)].float(), dim=-1)  # [N, V]
+    flat_tokens = torch.tensor([t for ts in tokens for t in ts])
+    chosen = logp[torch.arange(len(flat_rows)), flat_tokens].tolist()
+    k = min(max(tops), logp.shape[-1])
+    values, ids = (logp.topk(k, dim=-1) if k > 0 else (None, None))  # [N, k]
+    values, ids = (values.tolist(), ids.tolist()) if k > 0 else (None, None)
+    out, at = [], 0
+    for ts, top in zip(tokens, tops):
+        entries = [TokenLogprob(t, chosen[at + j], tuple(zip(ids[at + j][:top], values[at + j][:top])) if top > 0
+                                else ()) for j, t in enumerate(ts)]
+        out.append(entries)
+        at += len(ts)
+    return out
+
+
+def step_logprobs(asked: list[int | None], emitted: list[list[int]], table: torch.Tensor, rows: list[slice]) -> list:
+    """One engine step's entries per request (None where ``asked[r]`` is None), from one log-softmax over the
+    step's rows: row j of request r's block, ``rows[r]`` of ``table``, predicted its emitted token j (the accepted
+    drafts, then the bonus)."""
+    asking = [i for i, n in enumerate(asked) if n is not None]
+    out: list = [None] * len(asked)
+    if asking:
+        lists = batch_token_logprobs(table, [range(rows[i].start, rows[i].stop) for i in asking],
+                                     [emitted[i] for i in asking], [asked[i] for i in asking])
+        for i, entries in zip(asking, lists):
+            out[i] = entries
+    return out

@@ -14,7 +14,7 @@ import torch
 
 from ..decoding import SamplingParams
 from ..decoding.batch import verify_requests
-from ..decoding.logprobs import token_logprobs
+from ..decoding.logprobs import step_logprobs, token_logprobs
 from ..drafters.base import Drafter
 from ..models.transformer import Segment, Transformer
 from .detok import update_text
@@ -181,6 +181,8 @@ class Engine:
         observe = getattr(self.policy, "observe_outcomes", None)  # online calibration (scheduling/acceptance_tracker)
         if observe is not None and plan.confidences is not None:
             observe(plan.confidences, plan.lengths.numpy(), result.accepted.numpy())
+        emitted = [result.emitted(plan.drafts, i) for i in range(len(reqs))]
+        entries = step_logprobs([r.params.logprobs for r in reqs], emitted, out.logits, plan.decode_logit_rows)
         outputs = []
         for i, req in enumerate(reqs):
             try:
@@ -193,8 +195,7 @@ class Engine:
                     req.confidence_hist.append(plan.confidence_logits[i])
                 self.stats.record_round(int(plan.lengths[i]), a)
                 self._observed.append((req, plan.decode_token_rows[i][0], a + 1))  # anchor + accepted drafts
-                # row j of its logits predicted emitted token j (the accepted drafts, then the bonus)
-                outputs.append(self._emit(req, result.emitted(plan.drafts, i), logits[i]))
+                outputs.append(self._emit(req, emitted[i], entries[i]))
             except Exception as exc:
                 self._fail(req, exc, outputs)
         return outputs
@@ -212,7 +213,10 @@ class Engine:
                 first = verify_requests([out.logits[logit_row: logit_row + 1]], empty, torch.zeros(1, dtype=torch.long),
                                         None, [req.params], [req.generator], torch.zeros(1, 0, dtype=torch.bool))
                 req.status = Status.DECODE
-                outputs.append(self._emit(req, [int(first.next_token[0])], out.logits[logit_row: logit_row + 1]))
+                token = int(first.next_token[0])
+                asked = req.params.logprobs
+                outputs.append(self._emit(req, [token], None if asked is None else
+                                          token_logprobs(out.logits[logit_row: logit_row + 1], [token], asked)))
             except Exception as exc:
                 self._fail(req, exc, outputs)
         return outputs
@@ -243,8 +247,8 @@ class Engine:
             return
         self.feed.stash(live, out.hidden, lambda req, exc: self._fail(req, exc, outputs), out.stacked)
 
-    def _emit(self, req: Request, tokens: list[int], logits: torch.Tensor | None = None) -> RequestOutput:
-        """logits: [len(tokens), V] the rows the tokens were drawn from (for requests that ask for logprobs)."""
+    def _emit(self, req: Request, tokens: list[int], logprobs: list | None = None) -> RequestOutput:
+        """logprobs: the tokens' TokenLogprob entries, for a request that asked for them."""
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
         stops, before = self._stop_ids(req), len(req.output)
@@ -255,9 +259,8 @@ class Engine:
                 break
         req.output.extend(chunk)
         req.draft.tokens.extend(chunk)
-        new_logprobs = None
-        if req.params.logprobs is not None and logits is not None:
-            new_logprobs = token_logprobs(logits, chunk, req.params.logprobs)
+        new_logprobs = None if logprobs is None else logprobs[: len(chunk)]  # cut with the tokens
+        if new_logprobs is not None:
             req.logprobs.extend(new_logprobs)
         self.stats.generation_tokens += len(chunk)
         if reason is None and (len(req.output) >= req.params.max_new_tokens
