@@ -43,7 +43,7 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
         if is_greedy:
             plain = not any(params[r].adjusts_logits for r in group)
             best = (_argmax_tokens(logits, group, width, table) if plain
-                    else _argmax_tokens([adjusted(r) if r in group else None for r in range(R)], group, width, None))
+                    else _argmax_tokens({r: adjusted(r) for r in group}, group, width, None))
             res = accept_greedy(draft, best, num_draft[idx], stops)
         else:
             rows = torch.zeros(len(group), width + 1, vocab)  # [G, width+1, V], zero beyond each ℓ_r + 1
@@ -57,7 +57,7 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
     return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
 
 
-def _argmax_tokens(logits: list[torch.Tensor], group: list[int], width: int,
+def _argmax_tokens(logits, group: list[int], width: int,  # logits: indexable by request (list or dict)
                    table: tuple[torch.Tensor, list[int]] | None) -> torch.Tensor:
     """[G, width + 1] the target's argmax token at each verified position of the group's requests; past a
     request's ℓ_r + 1 rows the entries are filler that accept_greedy never reads."""

@@ -35,14 +35,12 @@ def batch_token_logprobs(table: torch.Tensor, rows: list, tokens: list[list[int]
     logp = torch.log_softmax(table[torch.tensor(flat_rows)].float(), dim=-1)  # [N, V]
     flat_tokens = torch.tensor([t for ts in tokens for t in ts])
     chosen = logp[torch.arange(len(flat_rows)), flat_tokens].tolist()
-    k = min(max(tops), logp.shape[-1])
-    values, ids = (logp.topk(k, dim=-1) if k > 0 else (None, None))  # [N, k]
-    values, ids = (values.tolist(), ids.tolist()) if k > 0 else (None, None)
+    values, ids = logp.topk(min(max(tops), logp.shape[-1]), dim=-1)  # [N, k]; k = 0 gives empty rows
+    values, ids = values.tolist(), ids.tolist()
     out, at = [], 0
     for ts, top in zip(tokens, tops):
-        entries = [TokenLogprob(t, chosen[at + j], tuple(zip(ids[at + j][:top], values[at + j][:top])) if top > 0
-                                else ()) for j, t in enumerate(ts)]
-        out.append(entries)
+        out.append([TokenLogprob(t, chosen[at + j], tuple(zip(ids[at + j][:top], values[at + j][:top])))
+                    for j, t in enumerate(ts)])
         at += len(ts)
     return out
 

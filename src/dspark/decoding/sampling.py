@@ -99,10 +99,10 @@ def _token_counts(n: int, vocab: int, history, drafts, device) -> torch.Tensor:
     counts = torch.zeros(n, vocab, device=device)
     if len(history):
         counts += torch.bincount(torch.as_tensor(list(history), device=device), minlength=vocab)[:vocab]
-    d = [] if drafts is None else list(drafts[: n - 1].tolist() if torch.is_tensor(drafts) else drafts[: n - 1])
-    if d:
+    d = None if drafts is None else torch.as_tensor(drafts[: n - 1], dtype=torch.long, device=device)  # [n-1]
+    if d is not None and len(d):
         step = torch.zeros(n, vocab, device=device)
-        step[torch.arange(1, len(d) + 1), torch.tensor(d)] = 1.0
+        step[torch.arange(1, len(d) + 1), d] = 1.0  # draft j counts from row j + 1 on
         counts += step.cumsum(0)
     return counts
 
