@@ -156,6 +156,9 @@ def add_bench(sub) -> None:
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--out", type=Path, default=Path("results/acceptance"))
     a.set_defaults(func=run_bench_acceptance)
+    from .bench import prefix
+
+    prefix.add_parser(bench)
 
 
 def run_bench_runtime(args) -> int:

@@ -30,7 +30,8 @@ class EveryThird:
 def run(max_pending: int, policy, n_tokens: int = 24, drafter=None, compact_every: int = 64):
     target = tiny_target(seed=4, scale=6.0)
     drafter = drafter or tiny_drafter(target, head="markov", block=4)
-    engine = Engine(target, None, drafter, policy, (), EngineConfig(gamma=4, prefill_chunk=6))
+    # the feed alone: no finished request stays behind as a prefix donor (tests/drafters/test_prefix_cache.py)
+    engine = Engine(target, None, drafter, policy, (), EngineConfig(gamma=4, prefill_chunk=6, prefix_cache=False))
     engine.feed.max_pending, engine.feed.compact_every = max_pending, compact_every
     params = SamplingParams(temperature=0, max_new_tokens=n_tokens, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in PROMPTS]
@@ -153,7 +154,8 @@ def test_a_feed_failing_when_rows_overflow_reports_the_failed_requests():
         raise RuntimeError("drafter out of memory")
 
     drafter.observe_batch = broken
-    engine = Engine(target, None, drafter, make_policy("none"), (), EngineConfig(gamma=4, prefill_chunk=6))
+    engine = Engine(target, None, drafter, make_policy("none"), (), EngineConfig(gamma=4, prefill_chunk=6,
+                                                                                 prefix_cache=False))
     engine.feed.max_pending = 5
     params = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in PROMPTS]

@@ -67,7 +67,7 @@ def test_engine_greedy_with_eagle3_equals_plain_greedy():
     for prompt, req in zip(prompts, reqs):
         assert req.error is None and req.output == plain_greedy(target, prompt, 24)
     assert sum(r.accepted for r in reqs) > 0  # the accept path (context rollback of rejected drafts) ran
-    assert all(not r.draft.state for r in reqs)  # released
+    assert all(not r.draft.state or r.cache is not None for r in reqs)  # released, unless kept as a prefix donor
 
 
 def test_engine_seeded_sampling_with_eagle3():

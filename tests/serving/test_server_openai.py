@@ -218,3 +218,20 @@ def test_penalties_change_the_greedy_answer(client):
     penalized = client.completions.create(frequency_penalty=2.0, presence_penalty=2.0, **kw)
     assert penalized.choices[0].logprobs.tokens[0] == tokens[0]  # nothing generated yet: the same first token
     assert penalized.choices[0].logprobs.tokens != tokens
+
+
+def test_a_repeated_prompt_prefix_is_reported_as_cached_tokens(client, server):
+    """The second request copies the first one's prompt KV (engine/prefix_cache.py): OpenAI's
+    usage.prompt_tokens_details.cached_tokens says how much, /metrics counts it, and the answer is the same."""
+    messages = [{"role": "system", "content": "You answer in one line. " * 12},
+                {"role": "user", "content": "Name a river."}]
+    kw = dict(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    first, second = (client.chat.completions.create(**kw) for _ in range(2))
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens > 60
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    with urllib.request.urlopen(f"{server.url}/metrics") as r:
+        metrics = r.read().decode()
+    cached = [line for line in metrics.splitlines() if line.startswith("dspark:prompt_tokens_cached_total")]
+    assert cached and float(cached[0].split()[-1]) >= first.usage.prompt_tokens - 1
+    assert wait_until(lambda: engine_idle(server))

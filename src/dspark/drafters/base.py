@@ -43,6 +43,7 @@ class Drafter(ABC):
     name: str = "?"
     needs_layers: tuple[int, ...] = ()  # target layers whose hidden states the drafter consumes
     has_confidence: bool = False
+    shares_context: bool = False  # a model drafter that implements observed() and share_context()
 
     def __init__(self, gamma: int):
         if gamma < 1:
@@ -81,6 +82,22 @@ class Drafter(ABC):
         """Flattened-batch form: request r owns rows offsets[r] .. offsets[r] + counts[r] - 1."""
         for req, first, n in zip(requests, offsets, counts):
             self.observe(req, {layer: h[first: first + n] for layer, h in hidden.items()}, n)
+
+    @property
+    def can_share_prefixes(self) -> bool:
+        """Can a request start from another's prompt prefix? A model-free drafter needs no target states; a model
+        drafter must be able to hand over the context it built from them."""
+        return not self.needs_layers or self.shares_context
+
+    def observed(self, request: DraftRequest) -> int:
+        """Leading positions whose target states this drafter has taken in for the request (model drafters)."""
+        return 0
+
+    def share_context(self, source: DraftRequest, request: DraftRequest, length: int) -> None:
+        """Give `request`, which has observed nothing yet, `source`'s context for its first `length` positions
+        (length <= observed(source); the two requests' tokens agree there). Model-free drafters keep none."""
+        if length and self.needs_layers:
+            raise DrafterError(f"drafter {self.name!r} cannot share a request's context")
 
     def release(self, request: DraftRequest) -> None:
         """Free per-request resources (the default drafter keeps none)."""

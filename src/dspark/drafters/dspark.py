@@ -74,6 +74,16 @@ class DSparkDrafter(BatchFirstDrafter):
             ctx = request.state[STATE_KEY] = DraftContext(len(self.model.layers), layer.kv_heads, layer.head_dim)
         return ctx
 
+    shares_context = True
+
+    def observed(self, request: DraftRequest) -> int:
+        ctx = request.state.get(STATE_KEY)
+        return 0 if ctx is None else ctx.length
+
+    def share_context(self, source: DraftRequest, request: DraftRequest, length: int) -> None:
+        if length:
+            request.state[STATE_KEY] = self.context(source).copy_prefix(length)
+
     @torch.inference_mode()
     def observe_batch(self, requests: list[DraftRequest], hidden: dict[int, torch.Tensor], offsets: list[int],
                       counts: list[int], starts: list[int] | None = None) -> None:

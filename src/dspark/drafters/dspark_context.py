@@ -35,6 +35,15 @@ class DraftContext:
             self.v[i, start: start + n] = v
         self.length = start + n
 
+    def copy_prefix(self, length: int) -> "DraftContext":
+        """A new context holding this one's first `length` positions (a prompt prefix another request shares)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot copy {length} positions from a draft context of length {self.length}")
+        other = DraftContext.__new__(DraftContext)
+        other.k, other.v = self.k[:, :length].clone(), self.v[:, :length].clone()
+        other.length = length
+        return other
+
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a draft context of length {self.length} to {length}")

@@ -67,6 +67,23 @@ class Eagle3Drafter(BatchFirstDrafter):
                                                 DraftContext(1, layer.kv_heads, layer.head_dim))
         return state
 
+    shares_context = True
+
+    def observed(self, request: DraftRequest) -> int:
+        state = request.state.get(STATE_KEY)
+        return 0 if state is None else state[0].length
+
+    def share_context(self, source: DraftRequest, request: DraftRequest, length: int) -> None:
+        if not length:
+            return
+        feats, ctx = self._state(source)
+        if length > feats.length:
+            raise DrafterError(f"cannot share {length} positions of a context holding {feats.length}")
+        mine = _Features(feats.rows.shape[1], capacity=length)
+        mine.write(0, feats.rows[:length])
+        # context entry t pairs g_t with token t + 1, which the two requests share only below `length`
+        request.state[STATE_KEY] = (mine, ctx.copy_prefix(min(ctx.length, length - 1)))
+
     @torch.inference_mode()
     def observe_batch(self, requests: list[DraftRequest], hidden: dict[int, torch.Tensor], offsets: list[int],
                       counts: list[int], starts: list[int] | None = None) -> None:

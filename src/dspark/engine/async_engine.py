@@ -100,7 +100,8 @@ class AsyncEngine:
         with self.lock:
             s = self.engine.stats
             return {"stats": s, "waiting": len(self.engine.waiting), "running": len(self.engine.running),
-                    "kv_reserved": self.engine.kv_reserved, "kv_budget": self.engine.kv_budget}
+                    "kv_reserved": self.engine.kv_reserved, "kv_cached": self.engine.kv_cached,
+                    "kv_budget": self.engine.kv_budget}
 
     def shutdown(self, deadline_s: float = 10.0) -> None:
         """Stop accepting, let in-flight work finish until the deadline, then abort the rest and stop."""

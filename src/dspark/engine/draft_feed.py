@@ -112,6 +112,29 @@ class DraftFeed:
             for req in todo:
                 on_error(req, exc)
 
+    def share(self, source: Request, request: Request, count: int) -> None:
+        """Give `request` the first `count` pending rows of `source` (a shared prompt prefix), as views."""
+        if count > self.held.get(source.request_id, 0):
+            raise ValueError(f"{source.request_id} has {self.held.get(source.request_id, 0)} pending rows, "
+                             f"not {count}")
+        chunks, left = [], count
+        for states, first, n in self.pending.get(source.request_id, []):
+            if left <= 0:
+                break
+            chunks.append((states, first, min(n, left)))
+            left -= n
+        if chunks:
+            self.pending[request.request_id], self.held[request.request_id] = chunks, count
+
+    def compact(self, request: Request) -> None:
+        """Copy a request's pending rows into one tensor, so they stop keeping whole steps' states alive (a
+        finished request kept as a prefix donor)."""
+        chunks = self.pending.get(request.request_id)
+        whole = chunks is not None and len(chunks) == 1 and chunks[0][2] == chunks[0][0].shape[0]
+        if chunks and not whole:
+            self.pending[request.request_id] = [(self._gather(chunks), 0, self.held[request.request_id])]
+            self.settled[request.request_id] = 1
+
     def backlog(self, request: Request) -> int:
         """Rows this request would have fed before it can draft."""
         return self.held.get(request.request_id, 0)

@@ -2,7 +2,8 @@
 drafts each verifies, runs ONE flattened target forward (verification blocks and prefill chunks together),
 verifies, commits or rolls back, and streams.
 
-    step:  reap aborted → admit (KV budget) → draft → select ℓ → forward → verify → commit & stream
+    step:  reap aborted → admit (KV budget) → reuse prompt prefixes → draft → select ℓ → forward → verify
+           → commit & stream
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ..drafters.base import Drafter
 from ..models.transformer import Segment, Transformer
 from .detok import update_text
 from .draft_feed import DraftFeed
+from .prefix_cache import Match, PrefixCache
 from .request import Request, RequestOutput, Status
 from .stats import EngineStats
 from .step_plan import StepPlan, plan_step
@@ -36,10 +38,15 @@ class EngineConfig:
     kv_budget_gb: float = 4.0
     prefill_chunk: int = 512
     record_confidences: bool = False  # keep each round's raw confidence logits on the request (calibration)
+    prefix_cache: bool = True  # copy shared prompt prefixes from running and finished requests (prefix_cache.py)
+    prefix_min_tokens: int = 16  # shortest prefix worth copying
+    prefix_cache_entries: int = 32  # finished requests kept as donors (within the KV budget)
 
     def __post_init__(self) -> None:
-        if self.gamma < 1 or self.max_running < 1 or self.prefill_chunk < 1:
-            raise ValueError("gamma, max_running and prefill_chunk must be >= 1")
+        if self.gamma < 1 or self.max_running < 1 or self.prefill_chunk < 1 or self.prefix_min_tokens < 1:
+            raise ValueError("gamma, max_running, prefill_chunk and prefix_min_tokens must be >= 1")
+        if self.prefix_cache_entries < 0:
+            raise ValueError("prefix_cache_entries must be >= 0")
 
 
 class Engine:
@@ -57,6 +64,9 @@ class Engine:
         self.last_plan: StepPlan | None = None
         self.stats = EngineStats(gamma=config.gamma)
         self.feed = DraftFeed(drafter)
+        # a model drafter that cannot hand over its context would lose the prefix's target states
+        shareable = config.prefix_cache and (drafter is None or drafter.can_share_prefixes)
+        self.prefixes = PrefixCache(config.prefix_min_tokens, config.prefix_cache_entries) if shareable else None
 
     # ------------------------------------------------------------------ intake
     def add_request(self, prompt: list[int], params: SamplingParams, stop_strings=(), request_id=None) -> Request:
@@ -89,10 +99,17 @@ class Engine:
     def _positions(self, req: Request) -> int:
         return min(req.needed_positions(self.config.gamma), self.model.config.max_position)
 
+    @property
+    def kv_cached(self) -> int:
+        """KV positions held by finished requests kept as prefix donors (evicted before admission waits)."""
+        return self.prefixes.kept_positions if self.prefixes else 0
+
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting[0]
             need = self._positions(req)
+            while self.kv_cached and self.kv_reserved + self.kv_cached + need > self.kv_budget:
+                self._forget(self.prefixes.pop_oldest())
             if self.kv_reserved + need > self.kv_budget:
                 return  # wait until running requests free their KV
             self.waiting.popleft()
@@ -104,10 +121,66 @@ class Engine:
     def _release(self, req: Request) -> None:
         self.kv_reserved -= req.reserved
         req.reserved = 0
+        self._drop_draft_state(req)
+        self.requests.pop(req.request_id, None)
+
+    def _drop_draft_state(self, req: Request) -> None:
         if self.drafter is not None:
             self.feed.drop(req)
             self.drafter.release(req.draft)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """A request that ended normally stays a prefix donor while the KV budget and entry limit allow."""
+        keep = self.prefixes is not None and self.config.prefix_cache_entries > 0 and req.cache is not None
+        req.finish(reason, keep_cache=keep)
+        self.stats.record_finish(reason)
+        if not keep:
+            self._release(req)
+            return
+        self.kv_reserved -= req.reserved
         self.requests.pop(req.request_id, None)
+        for old in self.prefixes.keep(req):
+            self._forget(old)
+
+    def _forget(self, donor: Request) -> None:
+        """Evict a kept donor: its KV, drafter context and pending states go."""
+        donor.cache, donor.reserved = None, 0
+        self._drop_draft_state(donor)
+
+    # ------------------------------------------------------------------ prompt prefixes
+    def _reuse_prefixes(self) -> None:
+        """Each newly admitted request copies the longest prompt prefix a donor holds, or waits for a donor that is
+        prefilling it (prefix_cache.py)."""
+        for req in self.running:
+            if req.status is not Status.PREFILL or req.prefix_state == "done":
+                continue
+            match = self.prefixes.find(req, self.running, self._coverage)
+            req.prefix_state = "waiting" if match is not None and match.wait else "done"
+            if match is not None and not match.wait:
+                self._adopt(req, match)
+
+    def _coverage(self, donor: Request) -> int:
+        """Positions whose target states the donor can pass on to a model drafter (fed or pending)."""
+        if not self.feed.active:
+            return donor.num_tokens
+        return self.drafter.observed(donor.draft) + self.feed.backlog(donor)
+
+    def _adopt(self, req: Request, match: Match) -> None:
+        donor, m = match.donor, match.length
+        try:
+            req.cache.copy_prefix(donor.cache, m)
+            if self.feed.active:
+                fed = min(self.drafter.observed(donor.draft), m)
+                self.drafter.share_context(donor.draft, req.draft, fed)
+                self.feed.share(donor, req, m - fed)
+        except Exception:  # nothing is lost: the request prefills its whole prompt instead
+            req.cache.truncate(0)
+            self._drop_draft_state(req)
+            return
+        req.prefilled = req.cached_tokens = m
+        self.stats.prefix_hits += 1
+        self.stats.cached_prompt_tokens += m
+        self.prefixes.touch(donor)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -116,6 +189,8 @@ class Engine:
         self._admit()
         if not self.running:
             return outputs
+        if self.prefixes is not None:
+            self._reuse_prefixes()
         failed: list[RequestOutput] = []  # requests whose deferred feed failed while planning
         plan = plan_step(self.running, self.drafter, self.policy, self.config, self.model.config.max_position,
                          before_draft=lambda reqs: self.feed.flush(reqs, lambda r, e: self._fail(r, e, failed)),
@@ -242,10 +317,20 @@ class Engine:
     def _feed_drafter(self, out, outputs: list[RequestOutput]) -> None:
         """Keep the target states of every token committed this step for the drafter (fed before it drafts, or
         now for a request holding its bound of pending rows: a failure then fails it here, with its final output)."""
-        live = [(r, first, n) for r, first, n in self._observed if not r.finished]
+        live = [(r, first, n) for r, first, n in self._observed if not r.finished or r.cache is not None]
         if not self.feed.active or not out.hidden or not live:
             return
-        self.feed.stash(live, out.hidden, lambda req, exc: self._fail(req, exc, outputs), out.stacked)
+        self.feed.stash(live, out.hidden, lambda req, exc: self._fail_feed(req, exc, outputs), out.stacked)
+        for req, _, _ in live:
+            if req.finished:  # kept as a prefix donor: its pending states stop holding whole steps alive
+                self.feed.compact(req)
+
+    def _fail_feed(self, req: Request, exc: Exception, outputs: list) -> None:
+        """A failed feed fails a running request; a kept donor (already answered) is only evicted."""
+        if req.finished:
+            self._forget(self.prefixes.discard(req))
+        else:
+            self._fail(req, exc, outputs)
 
     def _emit(self, req: Request, tokens: list[int], logprobs: list | None = None) -> RequestOutput:
         """logprobs: the tokens' TokenLogprob entries, for a request that asked for them."""
@@ -270,9 +355,7 @@ class Engine:
                            else ("", False))
         reason = "stop" if stop_hit else reason
         if reason:
-            req.finish(reason)
-            self._release(req)
-            self.stats.record_finish(reason)
+            self._finish(req, reason)
         return RequestOutput(req.request_id, req.output[before:], piece, req.finished, req.finish_reason, req,
                              new_logprobs)
 

@@ -30,6 +30,8 @@ class Request:
     output: list[int] = field(default_factory=list)  # emitted tokens (the last is the anchor while decoding)
     cache: KVCache | None = None
     prefilled: int = 0  # prompt tokens already in the cache
+    cached_tokens: int = 0  # of those, copied from another request's cache (engine/prefix_cache.py)
+    prefix_state: str = "new"  # "new" → "done" once its prefix is looked up, or "waiting" for a donor's prefill
     reserved: int = 0  # KV positions reserved against the engine budget
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
@@ -69,16 +71,19 @@ class Request:
         """KV positions this request can ever occupy: prompt, all new tokens, and one verify block of slack."""
         return len(self.prompt) + self.params.max_new_tokens + gamma + 1
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: str, error: str | None = None, keep_cache: bool = False) -> None:
+        """keep_cache: the engine keeps the KV as a prefix donor (and drops it when it evicts the request)."""
         if self.finished:
             return
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
         self.finished_at = time.perf_counter()
-        self.cache = None  # frees the KV memory at once
+        if not keep_cache:
+            self.cache = None  # frees the KV memory at once
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.output),
-                "total_tokens": len(self.prompt) + len(self.output)}
+                "total_tokens": len(self.prompt) + len(self.output),
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def spec_stats(self) -> dict:
         return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,

@@ -12,7 +12,9 @@ class EngineStats:
     last_step_seconds: float = 0.0
     forward_seconds_total: float = 0.0  # the target forward
     drafter_seconds_total: float = 0.0  # the drafter's propose and observe (its model forwards)
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens the target computed
+    cached_prompt_tokens: int = 0  # prompt tokens copied from another request's KV instead
+    prefix_hits: int = 0  # requests that copied a prompt prefix
     generation_tokens: int = 0
     num_drafts: int = 0  # verification rounds that carried at least one draft
     num_draft_tokens: int = 0  # drafted tokens sent to verification

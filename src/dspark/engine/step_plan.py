@@ -138,7 +138,7 @@ def plan_step(running: list[Request], drafter, policy, config, max_position: int
     """before_draft(requests) runs only when the drafter will propose this step, for the requests it drafts;
     backlog(request) = its target states not yet fed to the drafter (what drafting it first would cost)."""
     decoding = [r for r in running if r.status is Status.DECODE]
-    prefilling = [r for r in running if r.status is Status.PREFILL]
+    prefilling = [r for r in running if r.status is Status.PREFILL and r.prefix_state != "waiting"]
     plan = _draft(decoding, drafter, policy, config.gamma, max_position, before_draft, backlog)
     pieces, segments, logit_rows = [], plan.segments, []
     n = 0

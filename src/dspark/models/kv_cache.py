@@ -50,6 +50,15 @@ class KVCache:
         other.k, other.v = self.k.clone(), self.v.clone()
         return other
 
+    def copy_prefix(self, source: KVCache, length: int) -> None:
+        """Take `source`'s first `length` positions (a shared prompt prefix) as this cache's whole contents."""
+        if length > source.length:
+            raise ValueError(f"cannot copy {length} positions from a cache holding {source.length}")
+        self.reserve(length)
+        self.k[:, :, :length] = source.k[:, :, :length]
+        self.v[:, :, :length] = source.v[:, :, :length]
+        self.length = length
+
     def begin_write(self, start: int, count: int) -> None:
         """Claim positions start..start+count-1; anything at or after `start` is discarded."""
         if start > self.length:

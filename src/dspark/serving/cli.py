@@ -34,6 +34,9 @@ def add_serve(sub) -> None:
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.add_argument("--max-body-bytes", type=int, default=2 * 2**20, help="larger request bodies get 413")
     p.add_argument("--kv-budget-gb", type=float, default=4.0, help="KV cache memory the engine may reserve")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt in full (default: copy the KV of a prompt prefix that a running or "
+                        "recently finished request shares — system prompts, n choices, the next chat turn)")
     p.add_argument("--shutdown-deadline", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are cancelled")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -71,7 +74,8 @@ def run_serve(args) -> int:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
     llm = LLM(model=args.model, drafter=args.drafter, policy=args.policy, gamma=args.gamma, dtype=args.dtype,
-              max_running=args.max_concurrency, kv_budget_gb=args.kv_budget_gb)
+              max_running=args.max_concurrency, kv_budget_gb=args.kv_budget_gb,
+              prefix_cache=not args.no_prefix_cache)
     config = ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                           max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                           timeout_s=args.timeout or None, max_body_bytes=args.max_body_bytes,

@@ -98,9 +98,11 @@ class Responder:
 
 
 def usage(reqs) -> dict:
-    """The prompt once (the choices share it), every choice's completion tokens."""
+    """The prompt once (the choices share it; its cached tokens are the first choice's), every choice's completion
+    tokens."""
     prompt, completion = len(reqs[0].prompt), sum(len(r.output) for r in reqs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": reqs[0].cached_tokens}}
 
 
 def spec_stats(reqs) -> dict:

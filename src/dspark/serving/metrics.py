@@ -75,9 +75,15 @@ def render(snapshot: dict, counters: ServerCounters, model: str, rss_bytes: int)
     w.add("request_timeouts_total", "counter", "Requests cancelled by the per-request timeout.", counters.timeouts)
     # -- tokens and KV
     w.add("prompt_tokens_total", "counter", "Prompt tokens processed.", s.prompt_tokens, vllm="prompt_tokens_total")
+    w.add("prompt_tokens_cached_total", "counter", "Prompt tokens copied from another request's KV, not computed.",
+          s.cached_prompt_tokens, vllm="prefix_cache_hits_total")  # vLLM counts its hits in tokens too
+    w.add("prefix_cache_hit_requests_total", "counter", "Requests that copied a shared prompt prefix.",
+          s.prefix_hits)
     w.add("generation_tokens_total", "counter", "Tokens generated.", s.generation_tokens,
           vllm="generation_tokens_total")
     w.add("kv_reserved_tokens", "gauge", "KV positions reserved by admitted requests.", snapshot["kv_reserved"])
+    w.add("kv_prefix_cached_tokens", "gauge", "KV positions held by finished requests kept as prompt-prefix donors "
+          "(evicted before admission waits).", snapshot.get("kv_cached", 0))
     w.add("kv_budget_tokens", "gauge", "KV positions the engine may reserve.", snapshot["kv_budget"])
     w.add("kv_cache_usage_perc", "gauge", "Fraction of the KV budget reserved (0-1).",
           snapshot["kv_reserved"] / snapshot["kv_budget"] if snapshot["kv_budget"] else 0.0,

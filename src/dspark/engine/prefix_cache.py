@@ -1,0 +1,95 @@
+"""Prompt-prefix reuse: a new request copies the KV of the longest prompt prefix it shares with a running or a
+recently finished request, instead of prefilling it.
+
+Shared system prompts, n choices of one prompt and the next turn of a chat (the last prompt plus its answer
+plus a new message) all start with tokens some request has already run through the target. Each request owns
+one contiguous KV buffer (rollback stays a length change, models/kv_cache.py), so a prefix is copied, not
+shared: a memcpy of m positions in place of a forward over them.
+
+Donors: running requests — a position below a request's committed length never changes (verification only
+writes, and rolls back, after it) — and finished ones, kept least-recently-used first within the engine's KV
+budget (admission evicts them before it makes a request wait) and at most `max_entries` of them.
+A request whose best donor is still prefilling the shared part waits for it (one step per prompt chunk)
+rather than computing the same positions beside it; a waiting request is never a donor, so no request can wait
+on itself. The last prompt token is always computed: its logits give the first output token.
+
+A model drafter needs the target states of the prefix too: it hands over the context it built from them
+(Drafter.share_context) and the engine's feed the states it had not fed yet (DraftFeed.share), so the
+new request's drafter context is the one prefilling would have built.
+
+Lossless: the copied KV is the target's KV of the same tokens at the same positions; it differs from
+recomputing it only by float rounding of a different batch shape, as batching other requests already does.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .request import Request, Status
+
+
+@dataclass(frozen=True)
+class Match:
+    donor: Request
+    length: int  # prompt positions to copy from the donor
+    wait: bool  # the donor is still prefilling them: look again next step
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
+
+
+class PrefixCache:
+    def __init__(self, min_tokens: int = 16, max_entries: int = 32):
+        if min_tokens < 1 or max_entries < 0:
+            raise ValueError("prefix_min_tokens must be >= 1 and prefix_cache_entries >= 0")
+        self.min_tokens, self.max_entries = min_tokens, max_entries
+        self.kept: OrderedDict[str, Request] = OrderedDict()  # finished donors, least recently used first
+        self.kept_positions = 0  # KV positions the kept donors hold (they count against the engine's budget)
+
+    def find(self, req: Request, running: list[Request], coverage: Callable[[Request], int]) -> Match | None:
+        """The donor sharing the longest prefix of req's prompt (at least min_tokens); coverage(donor) caps what
+        a donor can give (the positions its drafter context and pending states cover)."""
+        wanted = req.prompt[: len(req.prompt) - 1]
+        if len(wanted) < self.min_tokens:
+            return None
+        head, best = wanted[: self.min_tokens], None
+        for donor in itertools.chain(running, self.kept.values()):
+            if donor is req or donor.cache is None or donor.prefix_state != "done":
+                continue
+            tokens = donor.prompt if len(donor.prompt) >= len(wanted) else donor.prompt + donor.output
+            if tokens[: self.min_tokens] != head:
+                continue
+            shared = common_prefix(wanted, tokens)
+            ready = min(shared, donor.cache.length, donor.num_tokens, coverage(donor))
+            waits = ready < shared and donor.status is Status.PREFILL  # it is computing the rest right now
+            key = (shared if waits else ready, not waits)
+            if key[0] >= self.min_tokens and (best is None or key > best[0]):
+                best = (key, Match(donor, key[0], waits))
+        return None if best is None else best[1]
+
+    def keep(self, req: Request) -> list[Request]:
+        """Keep a finished request as a donor; returns the donors this pushes out (least recently used)."""
+        self.kept[req.request_id] = req
+        self.kept_positions += req.reserved
+        return [self.pop_oldest() for _ in range(len(self.kept) - self.max_entries)]
+
+    def touch(self, donor: Request) -> None:
+        if donor.request_id in self.kept:
+            self.kept.move_to_end(donor.request_id)
+
+    def pop_oldest(self) -> Request:
+        return self.discard(next(iter(self.kept.values())))
+
+    def discard(self, req: Request) -> Request:
+        del self.kept[req.request_id]
+        self.kept_positions -= req.reserved
+        return req
