@@ -17,8 +17,9 @@ class ByteTokenizer:
         return b"".join(BYTES[i] for i in ids).decode("utf-8", errors="replace")
 
 
-def new_request(stop_strings=()):
-    return SimpleNamespace(output=[], text="", text_tokens=0, text_window=0, stop_strings=stop_strings)
+def new_request(stop_strings=(), min_tokens=0):
+    return SimpleNamespace(output=[], text="", text_tokens=0, text_window=0, stop_strings=stop_strings,
+                           params=SimpleNamespace(min_tokens=min_tokens))
 
 
 def stream(ids, chunks, stop_strings=(), tok=None, final_at_end=False):
@@ -142,3 +143,26 @@ def test_windowed_decode_matches_the_whole_decode_with_the_smollm2_tokenizer(smo
         assert (pieces, req.text, req.output, hit) == reference_stream(ids, chunks, stops, tok, final)
         if not hit and final:
             assert "".join(pieces) == req.text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_strings_are_not_matched_before_min_tokens():
+    """'b' at token 2 is ignored (2 < min_tokens = 4); the 'b' at token 6 stops the request, cut after it."""
+    req, tok = new_request(("b",), min_tokens=4), ByteTokenizer()
+    hits = []
+    for t in [1, 5, 1, 1, 1, 5, 1]:
+        req.output.append(t)
+        piece, hit = update_text(req, tok, 1)
+        hits.append(hit)
+        if hit:
+            break
+    assert hits == [False, False, False, False, False, True]
+    assert req.text == "abaaa" and req.output == [1, 5, 1, 1, 1, 5]
+
+
+def test_a_block_crossing_min_tokens_matches_only_stops_ending_from_token_min_tokens():
+    """Tokens 1-6 arrive in one block with min_tokens = 4: the 'b' in token 2 does not stop the request, the one in
+    token 5 does (as if each token had been checked on its own)."""
+    req = new_request(("b",), min_tokens=4)
+    req.output.extend([1, 5, 1, 1, 5, 1])
+    piece, hit = update_text(req, ByteTokenizer(), 6)
+    assert hit and req.text == piece == "abaa" and req.output == [1, 5, 1, 1, 5]

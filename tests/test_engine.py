@@ -73,13 +73,14 @@ def tiny_target():
     return ours_from_hf(hf_model("_v8", seed=3))
 
 
-def exact_distribution(model, prompt, params, depth=3):
-    """P(first `depth` tokens) under the target as `params` samples it (its logit_bias included)."""
+def exact_distribution(model, prompt, params, depth=3, stops=()):
+    """P(first `depth` tokens) under the target as `params` samples it (its logit_bias and, with the stop tokens
+    given, min_tokens included)."""
     out = {}
     for seq in itertools.product(range(V), repeat=depth):
         ids = torch.tensor(prompt + list(seq[:-1]))
         logits = model.forward(ids, [Segment(model.new_cache(), 0, len(ids))]).logits[len(prompt) - 1:]
-        probs = to_probs(target_logits(logits, params), params)
+        probs = to_probs(target_logits(logits, params, stops=stops), params)
         out[seq] = float(np.prod([float(probs[i, t]) for i, t in enumerate(seq)]))
     return out
 

@@ -50,6 +50,7 @@ def add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens before EOS")
     p.add_argument("--json", action="store_true", help="print one JSON object (text + statistics) instead")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each token's log-probability under the target (its raw distribution) and its "
@@ -62,7 +63,8 @@ def run_generate(args) -> int:
     from .generate import TextGenerator
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_new_tokens=args.max_new_tokens, logprobs=args.logprobs)  # checked before loading
+                            max_new_tokens=args.max_new_tokens, logprobs=args.logprobs,
+                            min_tokens=args.min_tokens)  # checked before loading
     if args.logprobs is not None and not args.json:
         raise ValueError("--logprobs needs --json (they are printed with the JSON object)")
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()

@@ -235,3 +235,16 @@ def test_a_repeated_prompt_prefix_is_reported_as_cached_tokens(client, server):
     cached = [line for line in metrics.splitlines() if line.startswith("dspark:prompt_tokens_cached_total")]
     assert cached and float(cached[0].split()[-1]) >= first.usage.prompt_tokens - 1
     assert wait_until(lambda: engine_idle(server))
+
+
+def test_min_tokens_reaches_the_engine_and_is_checked(client):
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=40, temperature=0)
+    base = client.completions.create(**kw)
+    stop = base.choices[0].text[2:5]  # matched within the first few tokens
+    early = client.completions.create(stop=[stop], **kw)
+    late = client.completions.create(stop=[stop], extra_body={"min_tokens": 30}, **kw)
+    assert early.usage.completion_tokens < 10 and early.choices[0].finish_reason == "stop"
+    assert late.usage.completion_tokens >= 30  # a match ending in token 30 or later
+    assert late.choices[0].text.startswith(base.choices[0].text[:5])
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.completions.create(extra_body={"min_tokens": 41}, **kw)

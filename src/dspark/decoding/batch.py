@@ -11,12 +11,13 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
                     draft_probs: torch.Tensor | None, params: list[SamplingParams],
                     generators: list[torch.Generator], stop_mask: torch.Tensor,
                     table: tuple[torch.Tensor, list[int]] | None = None,
-                    histories: list | None = None) -> VerifyResult:
+                    histories: list | None = None, stop_ids: list | None = None) -> VerifyResult:
     """logits[r]: [ℓ_r+1, V] target rows of request r; drafts: [R, γ]; num_draft: [R]; draft_probs: [R, γ, V]
     or None; stop_mask: [R, γ] bool (draft k of request r is one of r's stop tokens); table: (all rows [M, V],
     the first row of each request) when every logits[r] is a run of rows of one tensor, as in the engine's
     forward: greedy requests then take one batched argmax. histories[r]: the tokens request r generated so far (its
-    anchor last), which its penalties count (decoding/sampling.target_logits).
+    anchor last), which its penalties count (decoding/sampling.target_logits); stop_ids[r]: its stop token ids,
+    masked before its min_tokens.
 
     Greedy requests take the argmax fast path; the rest are processed with their own parameters (the same
     ones their drafts were processed with) and verified together. Buffers are only as wide as the longest
@@ -29,8 +30,12 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
     next_token = torch.zeros(R, dtype=torch.long)
     stopped = torch.zeros(R, dtype=torch.bool)
 
-    def adjusted(r: int) -> torch.Tensor:  # logit_bias and penalties: the target as request r samples from it
-        return target_logits(logits[r], params[r], histories[r] if histories else (), drafts[r])
+    def generated(r: int) -> int:
+        return len(histories[r]) if histories else 0
+
+    def adjusted(r: int) -> torch.Tensor:  # logit_bias, penalties, min_tokens: the target as request r samples it
+        return target_logits(logits[r], params[r], histories[r] if histories else (), drafts[r],
+                             stop_ids[r] if stop_ids else ())
 
     greedy = [r for r in range(R) if params[r].greedy]
     sampled = [r for r in range(R) if not params[r].greedy]
@@ -41,7 +46,7 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
         width = int(num_draft[idx].max())  # drafts any request of the group verifies; slots beyond are unused
         draft, stops = drafts[idx, :width], stop_mask[idx, :width]
         if is_greedy:
-            plain = not any(params[r].adjusts_logits for r in group)
+            plain = not any(params[r].adjusts_logits_after(generated(r)) for r in group)
             best = (_argmax_tokens(logits, group, width, table) if plain
                     else _argmax_tokens({r: adjusted(r) for r in group}, group, width, None))
             res = accept_greedy(draft, best, num_draft[idx], stops)

@@ -38,6 +38,9 @@ class SamplingParams:
     # [count > 0]; target-side like logit_bias, and inside a verified block each row counts the drafts before it
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's min_tokens: before this many tokens are generated the stop tokens (EOS unless ignore_eos, and
+    # stop_token_ids) have probability 0 in the target's distribution, and stop strings are not matched
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature \
@@ -56,6 +59,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise SamplingError(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        if isinstance(self.min_tokens, bool) or int(self.min_tokens) != self.min_tokens \
+                or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise SamplingError(f"min_tokens must be an integer in [0, max_new_tokens = {self.max_new_tokens}], "
+                                f"got {self.min_tokens!r}")
         for pair in self.logit_bias:
             if (len(pair) != 2 or isinstance(pair[0], bool) or int(pair[0]) != pair[0] or pair[0] < 0
                     or not -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS):
@@ -71,17 +78,25 @@ class SamplingParams:
         """Whether target_logits changes the target's logits for this request (logit_bias or a penalty)."""
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
 
+    def adjusts_logits_after(self, generated: int) -> bool:
+        """Whether target_logits changes anything for a request that has generated `generated` tokens."""
+        return self.adjusts_logits or generated < self.min_tokens
 
-def target_logits(logits: torch.Tensor, params: SamplingParams, history=(), drafts=None) -> torch.Tensor:
-    """The target's logits [n, V] as this request samples from them: its logit_bias and penalties applied (a new
-    tensor; the raw logits stay what log-probabilities report). Row j is the distribution after the request's
-    generated tokens ``history`` (the anchor last) and ``drafts[:j]``, the drafts verified before it. Only
-    verification calls it — a drafter may leave all this out: its q is whatever it sampled from, so acceptance
-    uses the adjusted p either way (it only drafts worse)."""
-    if not params.adjusts_logits:
+
+def target_logits(logits: torch.Tensor, params: SamplingParams, history=(), drafts=None, stops=()) -> torch.Tensor:
+    """The target's logits [n, V] as this request samples from them: its logit_bias and penalties applied, and
+    its stop tokens ``stops`` masked on rows before min_tokens (a new tensor; the raw logits stay what
+    log-probabilities report). Row j is the distribution after the request's generated tokens ``history`` (the
+    anchor last) and ``drafts[:j]``, the drafts verified before it. Only verification calls it — a drafter may
+    leave all this out: its q is whatever it sampled from, so acceptance uses the adjusted p either way (it only
+    drafts worse)."""
+    early = params.min_tokens - len(history)  # leading rows that predict a token before min_tokens
+    if not params.adjusts_logits and (early <= 0 or not stops):
         return logits
     out = logits.float().clone()
     n, vocab = out.shape[-2], out.shape[-1]
+    if early > 0 and stops:
+        out[:early, [t for t in stops if t < vocab]] = float("-inf")
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias], device=out.device)
         if int(ids.max()) >= vocab:

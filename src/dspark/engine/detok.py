@@ -37,17 +37,21 @@ def _text_through(request: Request, tokenizer, end: int) -> str:
 def update_text(request: Request, tokenizer, new_count: int, final: bool = False) -> tuple[str, bool]:
     """After `new_count` tokens were appended to request.output: returns (new text, a stop string matched).
 
-    On a match the output is cut to the fewest tokens whose text contains the stop string (so usage counts
+    Stop strings are matched once min_tokens tokens are out, and only where they end in token min_tokens or
+    later. On a match the output is cut to the fewest tokens whose text contains the stop string (so usage counts
     are exact) and the text is cut before the stop string, as the OpenAI API does. A character split across
     tokens is held back until its last byte comes, unless this is the request's last text (``final``: it ends
     here without a stop string, by EOS or length): then it shows as U+FFFD, as the whole output's decode does;
     held back for good it left the streamed text short of ``tokenizer.decode(output)``.
     """
     full = _text_through(request, tokenizer, len(request.output))
-    if request.stop_strings:
+    least = request.params.min_tokens
+    if request.stop_strings and len(request.output) >= least:
         longest = max(len(s) for s in request.stop_strings)
         start = max(0, len(request.text) - longest + 1)  # a match may begin in text already streamed
-        hits = [(full.find(s, start), s) for s in request.stop_strings]
+        # ... but, as where each token is checked on its own (vLLM), end no sooner than in token min_tokens
+        floor = len(_text_through(request, tokenizer, least - 1)) if len(request.output) - new_count < least else 0
+        hits = [(full.find(s, max(start, floor - len(s) + 1)), s) for s in request.stop_strings]
         hits = [(pos, s) for pos, s in hits if pos >= 0]
         if hits:
             pos, stop = min(hits)

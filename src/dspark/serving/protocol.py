@@ -52,6 +52,7 @@ class _Common(_Strict):
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_STRINGS)  # vLLM's extension
+    min_tokens: int | None = Field(default=None, ge=0)  # vLLM's extension: no stop before this many tokens
     logprobs: bool | int | None = None  # chat: a bool (alternatives in top_logprobs); completions: alternatives
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS_TOKENS)  # token id -> bias
     presence_penalty: float | None = None
@@ -237,7 +238,7 @@ def build_generation(req: _Common, prompt: list[int], param: str, max_position: 
                                 stop_token_ids=stop_ids(req.stop_token_ids, vocab_size),
                                 logit_bias=logit_bias(req.logit_bias, vocab_size),
                                 presence_penalty=req.presence_penalty or 0.0,
-                                frequency_penalty=req.frequency_penalty or 0.0)
+                                frequency_penalty=req.frequency_penalty or 0.0, min_tokens=req.min_tokens or 0)
     except SamplingError as exc:
         raise bad_request(str(exc)) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
