@@ -137,6 +137,8 @@ def add_bench(sub) -> None:
     s.add_argument("--sequential", action="store_true",
                    help="run each policy's cell alone, one after another (default: step every policy's clients in "
                         "turn, each timed on its own clock, so machine speed drift hits all policies alike)")
+    s.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt in full (sessions before 28 did; the mix's 48 prompts recur from C = 8)")
     s.add_argument("--traces", type=Path, default=None,
                    help="acceptance traces of this drafter (traces.npz from `dspark calibrate`): also simulate every "
                         "cell from this machine's speed profile and print simulated beside measured")
@@ -194,7 +196,8 @@ def run_bench_serve(args) -> int:
                          max_new_tokens=args.max_new_tokens, seconds_per_cell=args.seconds, repeats=args.repeats,
                          warmup_s=args.warmup, temperature=args.temperature, out=args.out, traces=args.traces,
                          sequential=args.sequential, length_spread=args.length_spread,
-                         requests_per_client=args.requests_per_client, prompt_tokens=args.prompt_tokens))
+                         requests_per_client=args.requests_per_client, prompt_tokens=args.prompt_tokens,
+                         prefix_cache=not args.no_prefix_cache))
     return 0
 
 

@@ -44,6 +44,7 @@ class ServeBenchConfig:
     length_spread: float = 0.5  # request i may produce up to max_new_tokens · u_i, u_i ~ U[1 − s, 1 + s] (seeded)
     requests_per_client: int = 0  # > 0: each cell is the same C × this many requests for every policy, not a time
     prompt_tokens: int = 0  # > 0: every prompt lengthened to at least this many tokens (see `lengthened`)
+    prefix_cache: bool = True  # copy shared prompt prefixes (the mix's prompts recur once a cell sends more than 48)
 
     def __post_init__(self):
         if not 0 <= self.length_spread < 1:
@@ -74,7 +75,8 @@ def setup(cfg: ServeBenchConfig):
     for name in cfg.policies:
         policy = build_policy(name, drafter, cfg.model, cfg.dtype, loaded.model, cfg.gamma)
         engines[name] = Engine(loaded.model, loaded.tokenizer, drafter if name != "none" else None, policy,
-                               loaded.eos_ids, EngineConfig(gamma=cfg.gamma, max_running=max(cfg.concurrency)))
+                               loaded.eos_ids, EngineConfig(gamma=cfg.gamma, max_running=max(cfg.concurrency),
+                                                            prefix_cache=cfg.prefix_cache))
     return loaded, drafter, prompts, params, engines
 
 
