@@ -123,6 +123,9 @@ async def run_load(cfg: LoadConfig) -> dict:
                            "waiting_after": m.get("dspark:num_requests_waiting"),
                            "in_flight_after": m.get("dspark:server_requests_in_flight"),
                            "kv_reserved_right_after_load": after_load.get("dspark:kv_reserved_tokens"),
+                           # finished requests kept as prompt-prefix donors: bounded, not leaked (engine/prefix_cache)
+                           "kv_prefix_cached_after": m.get("dspark:kv_prefix_cached_tokens"),
+                           "prompt_tokens_cached": m.get("dspark:prompt_tokens_cached_total"),
                            "rss_mb": round(m.get("dspark:process_resident_memory_bytes", 0) / 2**20, 1)})
         health = await request(cfg.url, "GET", "/health", api_key=cfg.api_key)
     lat = sorted(tally.latencies) or [0.0]
@@ -156,9 +159,11 @@ def to_markdown(report: dict) -> str:
     lines = ["# Load and fault test", "", f"Server: {report['config']['url']}, {report['config']['clients']} "
              f"concurrent clients, {report['config']['rounds']} rounds of {report['config']['requests']} requests.",
              "", "| measure | value |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in s.items()), "",
-             "| round | streams replayed | KV reserved after | running | waiting | RSS (MB) |",
-             "| --- | --- | --- | --- | --- | --- |",
-             *(f"| {r['round']} | {r['streams_replayed']} | {r['kv_reserved_after']} | {r['running_after']} | "
+             "| round | streams replayed | KV reserved after | KV of prefix donors | prompt tokens copied (total) "
+             "| running | waiting | RSS (MB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |",
+             *(f"| {r['round']} | {r['streams_replayed']} | {r['kv_reserved_after']} | "
+               f"{r.get('kv_prefix_cached_after')} | {r.get('prompt_tokens_cached')} | {r['running_after']} | "
                f"{r['waiting_after']} | {r['rss_mb']} |" for r in report["rounds"])]
     if report["problems"]:
         lines += ["", "Problems (first 20):", *(f"- {p}" for p in report["problems"])]
