@@ -55,6 +55,8 @@ def add_generate(sub) -> None:
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each token's log-probability under the target (its raw distribution) and its "
                         "N most likely alternatives (0-20)")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                   help="with --json: the same for every prompt token after the first (the prompt as templated)")
     p.set_defaults(func=run_generate)
 
 
@@ -64,9 +66,10 @@ def run_generate(args) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, logprobs=args.logprobs,
-                            min_tokens=args.min_tokens)  # checked before loading
-    if args.logprobs is not None and not args.json:
-        raise ValueError("--logprobs needs --json (they are printed with the JSON object)")
+                            prompt_logprobs=args.prompt_logprobs, min_tokens=args.min_tokens)  # checked before loading
+    for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+        if value is not None and not args.json:
+            raise ValueError(f"{flag} needs --json (they are printed with the JSON object)")
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     gen = TextGenerator(args.model, args.drafter, gamma=args.gamma, dtype=args.dtype, policy=args.policy)
     stream = gen.stream(prompt, params, chat=args.chat)
@@ -77,8 +80,10 @@ def run_generate(args) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "drafter": args.drafter, "drafter_used": gen.drafter_name,
                           "policy": gen.policy_name, "text": stream.text, **stats,
-                          **({"logprobs": _logprobs_json(stream.request, gen.llm.tokenizer)}
-                             if args.logprobs is not None else {})}))
+                          **({"logprobs": _logprobs_json(stream.request.logprobs, gen.llm.tokenizer)}
+                             if args.logprobs is not None else {}),
+                          **({"prompt_logprobs": _logprobs_json(stream.request.prompt_logprobs, gen.llm.tokenizer)}
+                             if args.prompt_logprobs is not None else {})}))
     else:
         print(f"\n\n[{gen.drafter_name} drafter, {gen.policy_name} policy: {stats['new_tokens']} tokens, "
               f"{stats['rounds']} steps, {stats['drafted']} drafts verified, tau {stats['tau']:.2f}, "
@@ -87,11 +92,11 @@ def run_generate(args) -> int:
     return 0
 
 
-def _logprobs_json(request, tokenizer) -> list[dict]:
+def _logprobs_json(entries, tokenizer) -> list[dict]:
     text = lambda t: tokenizer.decode([t])  # noqa: E731
     return [{"token_id": e.token, "token": text(e.token), "logprob": e.logprob,
              "top": [{"token_id": t, "token": text(t), "logprob": lp} for t, lp in e.top]}
-            for e in request.logprobs]
+            for e in entries]
 
 
 def add_bench(sub) -> None:

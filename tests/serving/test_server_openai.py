@@ -248,3 +248,53 @@ def test_min_tokens_reaches_the_engine_and_is_checked(client):
     assert late.choices[0].text.startswith(base.choices[0].text[:5])
     with pytest.raises(openai.BadRequestError, match="min_tokens"):
         client.completions.create(extra_body={"min_tokens": 41}, **kw)
+
+
+
+def test_completion_echo_scores_the_prompt(client, server):
+    """echo (lm-eval's loglikelihood requests): the prompt comes back first, with one log-probability per prompt
+    token after the first; max_tokens 0 scores the prompt alone. The score of a token appended to a prompt is the
+    log-probability the model gave it as that prompt's next token."""
+    tok = server.app.state.engine.engine.tokenizer
+    prompt = tok.encode("The river flows past the old mill", add_special_tokens=False)
+    nxt = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=0)
+    token = tok.encode(nxt.choices[0].logprobs.tokens[0], add_special_tokens=False)
+    scored = client.completions.create(model="tiny", prompt=prompt + token, max_tokens=0, echo=True, logprobs=2)
+    lp = scored.choices[0].logprobs
+    n = len(prompt) + len(token)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    if len(token) == 1:  # the greedy token's string re-encodes to itself
+        assert lp.token_logprobs[-1] == pytest.approx(nxt.choices[0].logprobs.token_logprobs[0], abs=1e-4)
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == n
+    assert scored.choices[0].text == tok.decode(prompt + token) and scored.choices[0].finish_reason == "length"
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_completion_echo_with_generation_plain_and_streamed(client, server):
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0, echo=True, logprobs=1)
+    plain = client.completions.create(**kw)
+    alone = client.completions.create(**{**kw, "echo": False})
+    text, lp = plain.choices[0].text, plain.choices[0].logprobs
+    assert text == "Once upon a time" + alone.choices[0].text  # the prompt as sent, then the answer
+    n = plain.usage.prompt_tokens
+    assert lp.tokens[n:] == alone.choices[0].logprobs.tokens
+    assert lp.token_logprobs[n:] == pytest.approx(alone.choices[0].logprobs.token_logprobs, abs=1e-5)
+    chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert chunks[0].choices[0].text == "Once upon a time"  # the echo comes first, with the prompt's entries
+    assert "".join(c.choices[0].text for c in chunks) == text
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    no_lp = client.completions.create(**{**kw, "logprobs": None, "max_tokens": 0})
+    assert no_lp.choices[0].text == "Once upon a time" and no_lp.choices[0].logprobs is None
+    assert wait_until(lambda: engine_idle(server))
+
+
+def test_max_tokens_zero_needs_echo_and_suffix_is_refused(client):
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        client.completions.create(model="tiny", prompt="Hi", suffix="there", max_tokens=4)

@@ -31,6 +31,10 @@ class SamplingParams:
     # None: no log-probabilities; n >= 0: each emitted token's log-probability under the target's raw
     # distribution and its n most likely alternatives (decoding/logprobs.py); read-only, it changes no token
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: the log-probability of every prompt token after the first under the target's raw
+    # distribution given the tokens before it, with n alternatives; the prompt is then computed in full (no
+    # prefix copied from another request: the copied positions have no logits)
+    prompt_logprobs: int | None = None
     # (token id, bias) pairs added to the *target's* logits before everything else (target_logits below): the
     # distribution sampled from is softmax((logits + bias) / T) after top-k/top-p, exactly, under every drafter
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -55,6 +59,11 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or int(self.logprobs) != self.logprobs
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise SamplingError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or int(self.prompt_logprobs) != self.prompt_logprobs
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise SamplingError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                                f"got {self.prompt_logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not -MAX_PENALTY <= value <= MAX_PENALTY:

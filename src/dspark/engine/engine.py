@@ -154,6 +154,9 @@ class Engine:
         for req in self.running:
             if req.status is not Status.PREFILL or req.prefix_state == "done":
                 continue
+            if req.params.prompt_logprobs is not None:  # a copied position has no logits to read them from
+                req.prefix_state = "done"
+                continue
             match = self.prefixes.find(req, self.running, self._coverage)
             req.prefix_state = "waiting" if match is not None and match.wait else "done"
             if match is not None and not match.wait:
@@ -277,8 +280,13 @@ class Engine:
 
     def _commit_prefill(self, plan: StepPlan, out) -> list[RequestOutput]:
         outputs = []
-        for req, rows, logit_row in zip(plan.prefilling, plan.prefill_token_rows, plan.prefill_logit_rows):
+        for req, rows, logit_row, prompt_rows in zip(plan.prefilling, plan.prefill_token_rows,
+                                                     plan.prefill_logit_rows, plan.prefill_prompt_rows):
             try:
+                if prompt_rows is not None:  # row j predicted the prompt token after this chunk's token j
+                    targets = req.prompt[req.prefilled + 1: req.prefilled + 1 + len(rows)]
+                    req.prompt_logprobs += token_logprobs(out.logits[prompt_rows.start: prompt_rows.stop], targets,
+                                                          req.params.prompt_logprobs)
                 req.prefilled += len(rows)
                 self.stats.prompt_tokens += len(rows)
                 self._observed.append((req, rows[0], len(rows)))

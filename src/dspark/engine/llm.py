@@ -22,6 +22,7 @@ class Completion:
     speculative: dict
     error: str | None = None
     logprobs: list | None = None  # TokenLogprob per token of token_ids, when SamplingParams.logprobs asked
+    prompt_logprobs: list | None = None  # TokenLogprob per prompt token after the first, when prompt_logprobs asked
 
 
 SCHEDULED_POLICIES = ("auto", "sync", "async", "async-online")  # decide per step whether drafts are worth verifying
@@ -54,7 +55,8 @@ def build_policy(name: str, drafter, model_id: str, dtype: str, model, gamma: in
 
 def completion_of(req: Request) -> Completion:
     return Completion(req.request_id, req.text, list(req.output), req.finish_reason, req.usage(), req.spec_stats(),
-                      req.error, list(req.logprobs) if req.params.logprobs is not None else None)
+                      req.error, list(req.logprobs) if req.params.logprobs is not None else None,
+                      list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None)
 
 
 class LLM:

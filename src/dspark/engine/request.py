@@ -39,6 +39,7 @@ class Request:
     text_tokens: int = 0  # output[:text_tokens] is what `text` decodes (detok.py)
     text_window: int = 0  # where the next step's decode window starts (<= text_tokens)
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when params.logprobs is set
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprob per prompt token after the first, if asked
     # statistics
     rounds: int = 0
     drafted: int = 0

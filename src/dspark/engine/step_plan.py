@@ -31,6 +31,8 @@ class StepPlan:
     prefilling: list[Request] = field(default_factory=list)
     prefill_token_rows: list[list[int]] = field(default_factory=list)
     prefill_logit_rows: list[int | None] = field(default_factory=list)  # into M; None = prompt not done
+    prefill_prompt_rows: list[range | None] = field(default_factory=list)  # into M: every row of the chunk, for
+    # a request that asked for prompt log-probabilities (row j predicts the prompt token after chunk token j)
 
     @property
     def verified_tokens(self) -> int:
@@ -161,9 +163,15 @@ def plan_step(running: list[Request], drafter, policy, config, max_position: int
         plan.prefilling.append(req)
         plan.prefill_token_rows.append(list(range(n, n + take)))
         done = req.prefilled + take == len(req.prompt)
-        plan.prefill_logit_rows.append(len(logit_rows) if done else None)
-        if done:
-            logit_rows.append(n + take - 1)
+        if req.params.prompt_logprobs is not None:  # every row's logits; the last is also the first token's
+            plan.prefill_prompt_rows.append(range(len(logit_rows), len(logit_rows) + take))
+            plan.prefill_logit_rows.append(len(logit_rows) + take - 1 if done else None)
+            logit_rows += range(n, n + take)
+        else:
+            plan.prefill_prompt_rows.append(None)
+            plan.prefill_logit_rows.append(len(logit_rows) if done else None)
+            if done:
+                logit_rows.append(n + take - 1)
         n += take
     plan.tokens = torch.tensor([t for p in pieces for t in p], dtype=torch.long)
     plan.logit_rows = torch.tensor(logit_rows, dtype=torch.long)

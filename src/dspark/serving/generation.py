@@ -12,7 +12,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from .errors import APIError, ClientGone
-from .logprobs import LogprobFormatter
+from .logprobs import LogprobFormatter, joined
 from .protocol import Generation
 
 
@@ -63,23 +63,43 @@ class Responder:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def _formatter(self, index: int) -> LogprobFormatter:
+        return self._formatters.setdefault(index, LogprobFormatter(self.tokenizer, self.chat))
+
     def _logprobs(self, entries, index: int) -> dict | None:
         if not self.wants_logprobs:
             return None
-        formatter = self._formatters.setdefault(index, LogprobFormatter(self.tokenizer, self.chat))
-        return formatter.body(entries or [])
+        return self._formatter(index).body(entries or [])
+
+    @property
+    def echo_text(self) -> str:
+        """The prompt as the answer echoes it: as sent, or its token ids decoded."""
+        return self.gen.echo_text if self.gen.echo_text is not None else self.tokenizer.decode(self.gen.prompt)
+
+    def _echo_logprobs(self, req, index: int) -> dict | None:
+        return self._formatter(index).echoed(req.prompt, req.prompt_logprobs) if self.wants_logprobs else None
 
     def final(self, reqs) -> dict:
         choices = []
         for i, req in enumerate(reqs):
-            choice = {"index": i, "finish_reason": req.finish_reason, "logprobs": self._logprobs(req.logprobs, i)}
+            echoed = self._echo_logprobs(req, i) if self.gen.echo else None
+            shown = not self.gen.echo_only
+            logprobs = self._logprobs(req.logprobs if shown else [], i)
+            choice = {"index": i, "finish_reason": req.finish_reason,
+                      "logprobs": logprobs if echoed is None else joined(echoed, logprobs)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": req.text}
             else:
-                choice["text"] = req.text
+                choice["text"] = (self.echo_text if self.gen.echo else "") + (req.text if shown else "")
             choices.append(choice)
-        return {**self._head(self.object), "choices": choices, "usage": usage(reqs),
+        return {**self._head(self.object), "choices": choices, "usage": usage(reqs, not self.gen.echo_only),
                 "speculative": spec_stats(reqs)}
+
+    def echo_chunk(self, req, index: int) -> dict:
+        """The first chunk of a streamed completion with echo: the prompt, and its log-probabilities if asked."""
+        out = self.chunk(self.echo_text, index=index)
+        out["choices"][0]["logprobs"] = self._echo_logprobs(req, index)
+        return out
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
               logprobs=None, index: int = 0) -> dict:
@@ -94,13 +114,14 @@ class Responder:
         return {**self._head(self.chunk_object), "choices": [choice]}
 
     def usage_chunk(self, reqs) -> dict:
-        return {**self._head(self.chunk_object), "choices": [], "usage": usage(reqs), "speculative": spec_stats(reqs)}
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage(reqs, not self.gen.echo_only),
+                "speculative": spec_stats(reqs)}
 
 
-def usage(reqs) -> dict:
+def usage(reqs, shown: bool = True) -> dict:
     """The prompt once (the choices share it; its cached tokens are the first choice's), every choice's completion
-    tokens."""
-    prompt, completion = len(reqs[0].prompt), sum(len(r.output) for r in reqs)
+    tokens (none when the answer shows none: echo with max_tokens 0)."""
+    prompt, completion = len(reqs[0].prompt), sum(len(r.output) for r in reqs) if shown else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": reqs[0].cached_tokens}}
 
@@ -152,9 +173,13 @@ async def choice_chunks(engine, req, queue, responder: Responder, index: int, ti
     lp_sent = 0  # entries sent
     if responder.chat:
         yield responder.chunk(role=True, index=index)
+    echo, shown = gen.echo, not gen.echo_only
     try:
         async for out in engine.stream(req, queue, timeout):
-            if out.finished:
+            if echo:  # the prompt's log-probabilities are complete once it yields its first token
+                yield responder.echo_chunk(req, index)
+                echo = False
+            if out.finished or not shown:
                 break
             text += out.new_text
             if pending is not None and out.new_logprobs:
@@ -169,8 +194,8 @@ async def choice_chunks(engine, req, queue, responder: Responder, index: int, ti
     if req.finish_reason not in ("stop", "length"):
         raise failure(req)
     if pending is not None:  # the request has finished: its entries are final, the finishing step's included
-        pending = req.logprobs[lp_sent:]
-    if len(req.text) > sent or pending:  # the final text (cut before a stop string) minus what already went out
+        pending = req.logprobs[lp_sent:] if shown else []
+    if shown and (len(req.text) > sent or pending):  # the final text (cut before a stop string) minus what went out
         yield responder.chunk(req.text[sent:], logprobs=pending, index=index)
     last = responder.chunk(None if responder.chat else "", finish_reason=req.finish_reason, index=index)
     last["speculative"] = req.spec_stats()

@@ -57,6 +57,8 @@ def valid_payload(rng: random.Random, model: str, max_tokens: int) -> tuple[str,
         payload["messages"] = [{"role": "user", "content": f"Tell me about {topic}."}]
         return "/v1/chat/completions", payload
     payload["prompt"] = f"A short note on {topic}:"
+    if rng.random() < 0.2:  # the prompt echoed (and scored, with logprobs); max_tokens 0: scored alone
+        payload.update(echo=True, **({"max_tokens": 0} if rng.random() < 0.3 else {}))
     return "/v1/completions", payload
 
 

@@ -39,3 +39,16 @@ class LogprobFormatter:
             self.offset += len(s)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{self._text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def echoed(self, prompt: list[int], entries: list[TokenLogprob]) -> dict:
+        """Completions with echo: the prompt's tokens, the first with no log-probability (null, as OpenAI gives
+        it), entries[j] belonging to prompt[j + 1]. Build it before the completion's body: text_offset runs on."""
+        head = {"tokens": [self._text(prompt[0])], "token_logprobs": [None], "top_logprobs": [None],
+                "text_offset": [self.offset]}
+        self.offset += len(head["tokens"][0])
+        return joined(head, self.body(entries))
+
+
+def joined(first: dict, then: dict | None) -> dict:
+    """Two completions-shaped bodies as one (the prompt's, then the completion's)."""
+    return first if then is None else {k: first[k] + then[k] for k in first}

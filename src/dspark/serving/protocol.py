@@ -43,7 +43,7 @@ class _Common(_Strict):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only for completions with echo (build_generation)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM) and 0 both mean off
@@ -116,6 +116,9 @@ class Generation:
     stream: bool
     include_usage: bool
     n: int = 1
+    echo: bool = False  # completions: the answer begins with the prompt (and its log-probabilities, if asked)
+    echo_text: str | None = None  # the prompt as sent, when it was text (token ids are decoded to echo them)
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt scored, nothing generated in the answer
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice i samples with seed + i (mod 2**64; the request's own seed for choice 0), so a seeded request of
@@ -128,9 +131,8 @@ class Generation:
 def check_unsupported(req: _Common) -> None:
     if isinstance(req, ChatCompletionRequest) and req.tools:
         raise bad_request("tools are not supported by this server", "tools", "unsupported_value")
-    if isinstance(req, CompletionRequest) and (req.echo or req.suffix):
-        raise bad_request("echo and suffix are not supported by this server", "echo" if req.echo else "suffix",
-                          "unsupported_value")
+    if isinstance(req, CompletionRequest) and req.suffix:
+        raise bad_request("suffix is not supported by this server", "suffix", "unsupported_value")
 
 
 def logprobs_asked(req: _Common) -> int | None:
@@ -225,6 +227,10 @@ def build_generation(req: _Common, prompt: list[int], param: str, max_position: 
     asked, asked_param = req.max_tokens, "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_tokens is None and req.max_completion_tokens is not None:
         asked, asked_param = req.max_completion_tokens, "max_completion_tokens"
+    echo = isinstance(req, CompletionRequest) and req.echo
+    if asked == 0 and not echo:
+        raise bad_request(f"{asked_param} must be at least 1 (0 only with echo, to score the prompt)", asked_param,
+                          "invalid_value")
     room = max_position - len(prompt)
     if asked is not None and asked > room:
         raise bad_request(f"this model's maximum context length is {max_position} tokens; the prompt has "
@@ -233,8 +239,10 @@ def build_generation(req: _Common, prompt: list[int], param: str, max_position: 
     try:
         params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                 top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
-                                max_new_tokens=asked or min(default_max_tokens, room), seed=req.seed,
-                                ignore_eos=req.ignore_eos, logprobs=logprobs_asked(req),
+                                # max_tokens 0 generates one token, never shown: the prompt's last position
+                                max_new_tokens=1 if asked == 0 else asked or min(default_max_tokens, room),
+                                seed=req.seed, ignore_eos=req.ignore_eos, logprobs=logprobs_asked(req),
+                                prompt_logprobs=logprobs_asked(req) if echo else None,
                                 stop_token_ids=stop_ids(req.stop_token_ids, vocab_size),
                                 logit_bias=logit_bias(req.logit_bias, vocab_size),
                                 presence_penalty=req.presence_penalty or 0.0,
@@ -243,4 +251,11 @@ def build_generation(req: _Common, prompt: list[int], param: str, max_position: 
         raise bad_request(str(exc)) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
-    return Generation(kind, prompt, params, stop_strings(req.stop), req.stream, include_usage, req.n or 1)
+    return Generation(kind, prompt, params, stop_strings(req.stop), req.stream, include_usage, req.n or 1,
+                      echo=echo, echo_text=_prompt_text(req) if echo else None, echo_only=echo and asked == 0)
+
+
+def _prompt_text(req: CompletionRequest) -> str | None:
+    prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) \
+        else req.prompt
+    return prompt if isinstance(prompt, str) else None
