@@ -298,3 +298,25 @@ def test_max_tokens_zero_needs_echo_and_suffix_is_refused(client):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="suffix"):
         client.completions.create(model="tiny", prompt="Hi", suffix="there", max_tokens=4)
+
+
+def test_a_batch_of_prompts_answers_each_with_n_choices(client, server):
+    """A list of prompts (text or token ids) is a batch: choice index = prompt index × n + choice; each answer
+    is the one its prompt gets alone, and usage counts every prompt once."""
+    prompts = ["The river", "Once upon a time there", "A list of"]
+    kw = dict(model="tiny", max_tokens=8, temperature=0)
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    batch = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in batch.choices] == list(range(6))
+    for c in batch.choices:
+        assert c.text == alone[c.index // 2].choices[0].text
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    tok = server.app.state.engine.engine.tokenizer
+    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    by_ids = client.completions.create(prompt=ids, echo=True, **kw)
+    assert [c.text for c in by_ids.choices] == [tok.decode(i) + a.choices[0].text for i, a in zip(ids, alone)]
+    chunks = [c for c in client.completions.create(prompt=prompts, stream=True, **kw) if c.choices]
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)]
+    assert texts == [a.choices[0].text for a in alone]
+    assert wait_until(lambda: engine_idle(server))

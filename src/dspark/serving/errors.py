@@ -3,6 +3,7 @@ with an HTTP status that says whose fault it was (4xx: the request's, 5xx: ours)
 from __future__ import annotations
 
 import json
+import re
 
 from starlette.responses import Response
 
@@ -35,10 +36,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param, code)
 
 
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\])$")
+
+
 def from_pydantic(exc) -> APIError:
     """The first validation problem, named by its dotted location, as a 400 (not FastAPI's 422)."""
     err = exc.errors()[0]
-    param = ".".join(str(p) for p in err.get("loc", ())) or None
+    # a union's member ("prompt.list[int]") is pydantic's detail, not the client's parameter
+    param = ".".join(str(p) for p in err.get("loc", ()) if not _UNION_MEMBER.match(str(p))) or None
     message = err.get("msg", "invalid request")
     if err.get("type") == "missing":
         message = f"'{param}' is a required property"

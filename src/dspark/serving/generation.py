@@ -71,10 +71,10 @@ class Responder:
             return None
         return self._formatter(index).body(entries or [])
 
-    @property
-    def echo_text(self) -> str:
-        """The prompt as the answer echoes it: as sent, or its token ids decoded."""
-        return self.gen.echo_text if self.gen.echo_text is not None else self.tokenizer.decode(self.gen.prompt)
+    def echo_text(self, req, index: int) -> str:
+        """Choice index's prompt as the answer echoes it: as sent, or its token ids decoded."""
+        text = self.gen.echo_texts[index // self.gen.n]
+        return text if text is not None else self.tokenizer.decode(req.prompt)
 
     def _echo_logprobs(self, req, index: int) -> dict | None:
         return self._formatter(index).echoed(req.prompt, req.prompt_logprobs) if self.wants_logprobs else None
@@ -90,14 +90,14 @@ class Responder:
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": req.text}
             else:
-                choice["text"] = (self.echo_text if self.gen.echo else "") + (req.text if shown else "")
+                choice["text"] = (self.echo_text(req, i) if self.gen.echo else "") + (req.text if shown else "")
             choices.append(choice)
-        return {**self._head(self.object), "choices": choices, "usage": usage(reqs, not self.gen.echo_only),
+        return {**self._head(self.object), "choices": choices, "usage": usage(reqs, self.gen.n, not self.gen.echo_only),
                 "speculative": spec_stats(reqs)}
 
     def echo_chunk(self, req, index: int) -> dict:
         """The first chunk of a streamed completion with echo: the prompt, and its log-probabilities if asked."""
-        out = self.chunk(self.echo_text, index=index)
+        out = self.chunk(self.echo_text(req, index), index=index)
         out["choices"][0]["logprobs"] = self._echo_logprobs(req, index)
         return out
 
@@ -114,16 +114,17 @@ class Responder:
         return {**self._head(self.chunk_object), "choices": [choice]}
 
     def usage_chunk(self, reqs) -> dict:
-        return {**self._head(self.chunk_object), "choices": [], "usage": usage(reqs, not self.gen.echo_only),
-                "speculative": spec_stats(reqs)}
+        return {**self._head(self.chunk_object), "choices": [],
+                "usage": usage(reqs, self.gen.n, not self.gen.echo_only), "speculative": spec_stats(reqs)}
 
 
-def usage(reqs, shown: bool = True) -> dict:
-    """The prompt once (the choices share it; its cached tokens are the first choice's), every choice's completion
-    tokens (none when the answer shows none: echo with max_tokens 0)."""
-    prompt, completion = len(reqs[0].prompt), sum(len(r.output) for r in reqs) if shown else 0
+def usage(reqs, n: int = 1, shown: bool = True) -> dict:
+    """Each prompt once (its n choices share it; its cached tokens are its first choice's), every choice's
+    completion tokens (none when the answer shows none: echo with max_tokens 0)."""
+    firsts = reqs[::n]
+    prompt, completion = sum(len(r.prompt) for r in firsts), sum(len(r.output) for r in reqs) if shown else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": reqs[0].cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}
 
 
 def spec_stats(reqs) -> dict:

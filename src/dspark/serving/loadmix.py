@@ -57,6 +57,8 @@ def valid_payload(rng: random.Random, model: str, max_tokens: int) -> tuple[str,
         payload["messages"] = [{"role": "user", "content": f"Tell me about {topic}."}]
         return "/v1/chat/completions", payload
     payload["prompt"] = f"A short note on {topic}:"
+    if rng.random() < 0.1:  # a batch of prompts: n answers each
+        payload["prompt"] = [payload["prompt"], f"Three facts about {topic}:"]
     if rng.random() < 0.2:  # the prompt echoed (and scored, with logprobs); max_tokens 0: scored alone
         payload.update(echo=True, **({"max_tokens": 0} if rng.random() < 0.3 else {}))
     return "/v1/completions", payload
@@ -88,7 +90,9 @@ async def _stream(cfg, path: str, payload: dict, hang_after: int | None, tally: 
     """-> ((text per choice), (finish_reason per choice), usage) of a completed stream, or None (hung up / failed /
     rate limited)."""
     payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
-    n = payload.get("n", 1)
+    prompts = payload.get("prompt")
+    batch = isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))  # not one prompt of ids
+    n = payload.get("n", 1) * (len(prompts) if batch else 1)  # answers: prompts × n
     for _ in range(5):
         conn, usage, events = Connection(cfg.url, cfg.api_key), None, 0
         text, finish = [[] for _ in range(n)], [None] * n

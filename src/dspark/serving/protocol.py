@@ -17,6 +17,7 @@ from .errors import APIError, ClientGone, bad_request
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's limit on logit_bias entries
 MAX_CHOICES = 16  # n: each choice is one engine request, so one HTTP request may hold this many batch slots
+MAX_BATCH = 64  # completions: prompts × n engine requests in one HTTP request (the server's default queue)
 
 
 class _Strict(BaseModel):
@@ -67,7 +68,7 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # a list of prompts is a batch
     echo: bool = False
     suffix: str | None = None
 
@@ -110,14 +111,14 @@ class Generation:
     """One validated request, ready for the engine."""
 
     kind: str  # "chat" | "completion"
-    prompt: list[int]
+    prompts: list[list[int]]  # one, or a completions batch: choice i answers prompts[i // n]
     params: SamplingParams
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
     n: int = 1
     echo: bool = False  # completions: the answer begins with the prompt (and its log-probabilities, if asked)
-    echo_text: str | None = None  # the prompt as sent, when it was text (token ids are decoded to echo them)
+    echo_texts: tuple[str | None, ...] = ()  # each prompt as sent, when it was text (token ids are decoded)
     echo_only: bool = False  # max_tokens 0 with echo: the prompt scored, nothing generated in the answer
 
     def choice_params(self, index: int) -> SamplingParams:
@@ -126,6 +127,14 @@ class Generation:
         if index == 0 or self.params.seed is None:
             return self.params
         return dataclasses.replace(self.params, seed=(self.params.seed + index) % 2**64)
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def choice(self, index: int) -> tuple[list[int], SamplingParams]:
+        """Choice i's prompt and parameters: OpenAI orders a batch's choices prompt by prompt, n each."""
+        return self.prompts[index // self.n], self.choice_params(index % self.n)
 
 
 def check_unsupported(req: _Common) -> None:
@@ -174,8 +183,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def encode_prompt(req: _Common, tokenizer, vocab_size: int) -> tuple[list[int], str]:
-    """-> (token ids, the parameter they came from). Runs off the event loop (templating can be slow)."""
+def encode_prompts(req: _Common, tokenizer, vocab_size: int) -> tuple[list[list[int]], str]:
+    """-> (token ids of each prompt, the parameter they came from). Runs off the event loop (templating can be
+    slow)."""
     if isinstance(req, ChatCompletionRequest):
         try:
             ids = tokenizer.apply_chat_template(chat_messages(req), add_generation_prompt=True, tokenize=True)
@@ -184,20 +194,29 @@ def encode_prompt(req: _Common, tokenizer, vocab_size: int) -> tuple[list[int], 
         except Exception as exc:  # the template rejects the conversation (e.g. roles must alternate)
             raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        return [int(t) for t in ids], "messages"
+        return [[int(t) for t in ids]], "messages"
+    return [_encode_one(p, tokenizer, vocab_size) for p in prompt_list(req)], "prompt"
+
+
+def prompt_list(req: CompletionRequest) -> list:
+    """The completions prompt as a list of prompts, each text or token ids ([1, 2] is one prompt of ids)."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise bad_request("only one prompt per request is supported", "prompt", "unsupported_value")
-        prompt = prompt[0]
+    batch = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+    prompts = list(prompt) if batch else [prompt]
+    if len(prompts) > MAX_BATCH:
+        raise bad_request(f"at most {MAX_BATCH} prompts per request", "prompt")
+    return prompts
+
+
+def _encode_one(prompt: str | list[int], tokenizer, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         try:
-            return list(tokenizer.encode(prompt, add_special_tokens=False)), "prompt"
+            return list(tokenizer.encode(prompt, add_special_tokens=False))
         except Exception as exc:  # e.g. lone surrogates from a "\ud800" escape
             raise bad_request(f"the prompt could not be tokenized: {exc}", "prompt") from None
     if any(t < 0 or t >= vocab_size for t in prompt):
         raise bad_request(f"prompt token ids must be in [0, {vocab_size})", "prompt")
-    return list(prompt), "prompt"
+    return list(prompt)
 
 
 def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -216,14 +235,18 @@ def stop_ids(ids: list[int] | None, vocab_size: int) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids or ()))
 
 
-def build_generation(req: _Common, prompt: list[int], param: str, max_position: int,
+def build_generation(req: _Common, prompts: list[list[int]], param: str, max_position: int,
                      default_max_tokens: int, vocab_size: int) -> Generation:
-    """Checks lengths against the context window (OpenAI's 400 `context_length_exceeded`) and sampling values."""
-    if not prompt:
+    """Checks lengths against the context window (OpenAI's 400 `context_length_exceeded`) and sampling values;
+    a batch is checked by its longest prompt."""
+    if not prompts or not all(prompts):
         raise bad_request("the prompt is empty", param)
+    prompt = max(prompts, key=len)
     if len(prompt) >= max_position:
         raise bad_request(f"this model's maximum context length is {max_position} tokens; the prompt has "
                           f"{len(prompt)} tokens", param, "context_length_exceeded")
+    if len(prompts) * (req.n or 1) > MAX_BATCH:
+        raise bad_request(f"{len(prompts)} prompts × n = {req.n} is more than {MAX_BATCH} answers", "n")
     asked, asked_param = req.max_tokens, "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_tokens is None and req.max_completion_tokens is not None:
         asked, asked_param = req.max_completion_tokens, "max_completion_tokens"
@@ -251,11 +274,6 @@ def build_generation(req: _Common, prompt: list[int], param: str, max_position: 
         raise bad_request(str(exc)) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
-    return Generation(kind, prompt, params, stop_strings(req.stop), req.stream, include_usage, req.n or 1,
-                      echo=echo, echo_text=_prompt_text(req) if echo else None, echo_only=echo and asked == 0)
-
-
-def _prompt_text(req: CompletionRequest) -> str | None:
-    prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) \
-        else req.prompt
-    return prompt if isinstance(prompt, str) else None
+    texts = tuple(p if isinstance(p, str) else None for p in prompt_list(req)) if echo else ()
+    return Generation(kind, prompts, params, stop_strings(req.stop), req.stream, include_usage, req.n or 1,
+                      echo=echo, echo_texts=texts, echo_only=echo and asked == 0)

@@ -27,7 +27,7 @@ from .errors import APIError, ClientGone, bad_request, from_pydantic
 from .generation import Responder, SSEResponse, collect_all, race_disconnect, sse_events
 from .metrics import ServerCounters, render
 from .protocol import (ChatCompletionRequest, CompletionRequest, build_generation, check_unsupported,
-                       encode_prompt, read_json)
+                       encode_prompts, read_json)
 
 OPEN_PATHS = ("/health",)  # liveness probes need no key; everything else does when one is configured
 
@@ -72,10 +72,10 @@ async def _submit(state: ServerState, gen, rid: str, param: str) -> list[tuple[s
     aborted before the error is answered."""
     choices = []
     try:
-        for i in range(gen.n):
+        for i in range(gen.choices):
             choice_id = rid if i == 0 else f"{rid}-{i}"
-            req, queue = await state.engine.submit_async(gen.prompt, gen.choice_params(i), gen.stop,
-                                                         request_id=choice_id)
+            prompt, params = gen.choice(i)
+            req, queue = await state.engine.submit_async(prompt, params, gen.stop, request_id=choice_id)
             choices.append((choice_id, req, queue))
     except RequestRejected as exc:
         _abort(state, choices)
@@ -124,7 +124,7 @@ async def _generate(request: Request, schema, prefix: str) -> Response:
     try:
         model_cfg = state.llm.engine.model.config
         loop = asyncio.get_running_loop()
-        ids, param = await loop.run_in_executor(state.tokenize_pool, encode_prompt, parsed, state.llm.tokenizer,
+        ids, param = await loop.run_in_executor(state.tokenize_pool, encode_prompts, parsed, state.llm.tokenizer,
                                                 model_cfg.vocab_size)
         gen = build_generation(parsed, ids, param, model_cfg.max_position, cfg.default_max_tokens,
                                model_cfg.vocab_size)
