@@ -293,10 +293,12 @@ RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0
                               min_gain=0.5, max_age=4),
          "probes soon once the load halves": dict(probe_every=1, max_probe_every=2, far_probe_every=16,
                                                   probe_requests=1, min_gain=0.5, max_age=4),
-         "priced at the context": dict(min_gain=0.0, max_age=4)}
+         "priced at the context": dict(min_gain=0.0, max_age=4),
+         "depth capped by the spread of K": dict(spread_depth=1, min_gain=0.0, max_age=4)}
 # Requests each test runs at once where a rule needs load: these rules fire only while a probe (of one request)
 # drafts part of the batch, and the far back-off's load must then halve; at T = 1 requests live three steps.
-RUNNING = {"greedy": {"confirmed thin pool": 3, "far back-off": 2, "probes soon once the load halves": 2},
+RUNNING = {"greedy": {"confirmed thin pool": 3, "far back-off": 2, "probes soon once the load halves": 2,
+                      "depth capped by the spread of K": 3},
            "seeded": {"confirmed thin pool": 3},
            "t1": {"confirmed thin pool": 3, "far back-off": 3, "probes soon once the load halves": 3}}
 
@@ -343,7 +345,12 @@ def _dear_draft_profile(gamma: int):
 PRICED_BY = {"early stop below K": (_verify_priced_profile, False), "no extra slot": (_staircase_profile, True),
              "confirmed thin pool": (_depth_priced_profile, False), "far back-off": (_dear_draft_profile, False),
              "probes soon once the load halves": (_dear_draft_profile, False),
-             "priced at the context": (_context_priced_profile, False)}
+             "priced at the context": (_context_priced_profile, False),
+             "depth capped by the spread of K": (_verify_priced_profile, False)}
+
+
+# rules that fire where every request's drafts look alike (K shared evenly), as a random head's do
+EVEN_CONFIDENCES = {"depth capped by the spread of K"}
 
 
 def _rules_engine(target, drafter, max_running: int, rule: str):
@@ -351,7 +358,7 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
     from dspark.scheduling.registry import make_policy
 
     priced, solo = PRICED_BY.get(rule, (_depth_priced_profile, False))
-    if rule in PRICED_BY:  # rules that read the confidences: a random head's are all ~0.5, so spread them
+    if rule in PRICED_BY and rule not in EVEN_CONFIDENCES:  # a random head's are all ~0.5: spread them
         with torch.no_grad():
             drafter.model.confidence.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
     max_running = 1 if solo else max_running
@@ -389,6 +396,8 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
             seen.add("early stop below K")
         if policy.last_capacity and policy.draft_depth(drafter.gamma) == policy.last_capacity < drafter.gamma:
             seen.add("no extra slot")
+        if policy.last_capacity and policy.draft_depth(drafter.gamma) < min(drafter.gamma, policy.last_capacity + 1):
+            seen.add("depth capped by the spread of K")
         return lengths
 
     policy.prepare, policy.select = spy, select_spy

@@ -199,6 +199,25 @@ def test_async_lean_depth_drafts_the_extra_slot_only_while_k_could_grow():
         AsyncPolicy(JUMP, lean_depth=3)
 
 
+def test_async_spread_depth_drafts_one_past_the_longest_share_of_k():
+    """Four requests alike: K is shared one or two slots each, so the depth stops at 3, not K + 1; one request
+    holding all the confidence takes K itself, and the cap is K + 1 as without the rule."""
+    even = np.tile([[0.9, 0.6, 0.3, 0.2, 0.2, 0.2, 0.2]], (4, 1))
+    skewed = np.array([[0.99] * 7] + [[0.05] * 7] * 3)
+    for c, capped in ((even, True), (skewed, False)):
+        pol, plain = AsyncPolicy(FLAT, spread_depth=True, min_gain=0.0), AsyncPolicy(FLAT, min_gain=0.0)
+        for _ in range(4):
+            for p in (pol, plain):
+                p.prepare(4)
+                p.select(c[:, :p.draft_depth(7)])
+        k = plain.last_capacity
+        assert pol.last_capacity == k >= 5
+        share = int(async_schedule(c, k).max())
+        assert pol.draft_depth(7) == min(7, share + 1, k + 1) and (pol.draft_depth(7) < min(7, k + 1)) == capped
+    with pytest.raises(ValueError, match="spread_depth"):
+        AsyncPolicy(FLAT, spread_depth=2)
+
+
 def test_async_schedule_top_k_hand_worked():
     c_now = np.array([[0.5, 0.5], [0.99, 0.99]])  # a = [[0.5, 0.25], [0.99, 0.9801]]
     assert async_schedule(c_now, 3).tolist() == [1, 2]

@@ -79,6 +79,12 @@ class AsyncPolicy:
     K = 2 pay, and drafting slot 2 for nothing cost ~1.1 ms a step (the profile's depth-1 and depth-7 prices). Lossless: it reads the same old confidences as K. Not the default: drafting fell
     from 10.8 to 10.4 % of step time at C = 1 and throughput did not move measurably (results/serving-s19-lean).
 
+    With ``spread_depth`` the drafted depth is also capped by how K was shared in the pooled steps: one more than
+    the most slots a single request took when each pooled step's own top-K was chosen. K counts the drafts of the
+    whole batch, but at R = 2 on the dev CPU (slow state of session 29) K >= 4 was spent 2 + 2 nearly always while
+    K + 1 = 5 slots were drafted per request, 5.7 ms of drafting a step against fixed-2's depth 2
+    (results/decisions-s29). Lossless: the cap reads only old confidences.
+
     With ``online_calibration`` (policy ``async-online``) every confidence it uses is first scaled by the ratio of
     accepted to predicted drafts on the verified slots so far (``acceptance_tracker.py``); the engine reports each
     verified step through ``observe_outcomes``. Not the default: on the dev CPU it lowered the verify budget where
@@ -127,7 +133,7 @@ class AsyncPolicy:
                  reprobe_every: int | None = None, max_age: int | None = 16, near_loss: float = 0.05,
                  early_stop: bool = False, lean_depth: bool = False, live: bool = False, steady_run: int = 1,
                  confirm: bool = False, far_loss: float = 0.1, far_probe_every: int | None = None,
-                 price_context: bool = True):
+                 price_context: bool = True, spread_depth: bool = False):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -177,6 +183,9 @@ class AsyncPolicy:
         if price_context not in (0, 1):
             raise ValueError(f"price_context must be a bool (0 or 1), got {price_context!r}")
         self.prices_context = bool(price_context)  # prepare() takes the requests' mean context (see ``sps``)
+        if spread_depth not in (0, 1):
+            raise ValueError(f"spread_depth must be a bool (0 or 1), got {spread_depth!r}")
+        self.spread_depth = bool(spread_depth)
         self.live = LiveProfile(sps) if live else None  # kept across reset(): it describes the machine
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
@@ -203,9 +212,11 @@ class AsyncPolicy:
         self._planned = False
         self._context = 0  # the running requests' mean context, rounded (0: not given)
         self._probing = False  # this step is a probe (drafts only `probe_requests` requests)
-        # (pool steps, R, tracker ratio), the best K they priced, Θ_K / Θ_0, whether K + 1 could pay (lean_depth)
-        self._memo: tuple = (None, 0, 1.0, True)
+        # (pool steps, R, tracker ratio), the best K they priced, Θ_K / Θ_0, whether K + 1 could pay (lean_depth),
+        # the longest prefix one request took of that K in the pooled steps (spread_depth; None: not limited)
+        self._memo: tuple = (None, 0, 1.0, True, None)
         self._grow = True  # draft the extra slot (see lean_depth)
+        self._spread: int | None = None  # see spread_depth
         self.last_capacity: int | None = None  # K of the current/last step (None: Algorithm 1)
         self.last_ratio: float | None = None  # Θ_K / Θ_0 of the best K its pool priced (None: no pool)
         if self.tracker is not None:
@@ -249,8 +260,9 @@ class AsyncPolicy:
                 priced = capacity_from_survivals(survivals, shapes, self.sps, n_requests)
                 grow = (not self.lean_depth or priced[0] < 1
                         or could_grow(survivals, shapes, self.sps, n_requests, priced[0]))
-                self._memo = (key, *priced, grow)
-            _, best, ratio, self._grow = self._memo
+                spread = self._longest_share(c_old, n_requests, priced[0]) if self.spread_depth else None
+                self._memo = (key, *priced, grow, spread)
+            _, best, ratio, self._grow, self._spread = self._memo
             self.last_ratio = ratio
             margin = self.stay_gain if self.last_capacity else self.min_gain  # hysteresis: drafting keeps on
             starting = not self.last_capacity
@@ -291,10 +303,27 @@ class AsyncPolicy:
         return sum(c.shape[0] for c, _ in c_old) < min(self.pool_requests, n_requests)
 
     def draft_depth(self, gamma: int) -> int:
-        """Slots worth drafting this step (after ``prepare``): K caps how deep any request can verify."""
+        """Slots worth drafting this step (after ``prepare``): K caps how deep any request can verify, and with
+        ``spread_depth`` so does the longest prefix one request took in the pooled steps."""
         if self.last_capacity is None:
             return gamma
-        return draft_depth_for(self.last_capacity if self._grow else self.last_capacity - 1, gamma)
+        cap = self.last_capacity if self._grow else self.last_capacity - 1
+        if self._spread is not None:
+            cap = min(cap, self._spread)
+        return draft_depth_for(cap, gamma)
+
+    @staticmethod
+    def _longest_share(c_old, n_requests: int, capacity: int) -> int | None:
+        """The most slots one request took when each pooled step's own top-K was chosen, K scaled to that step's
+        rows (a probe's two rows get their share of K): at R = 2 on the dev CPU K = 4 was spent 2 + 2 nearly
+        always, yet K + 1 = 5 slots were drafted for each request. None when K = 0."""
+        if capacity < 1:
+            return None
+        longest = 1
+        for c, _ in c_old:
+            k = max(1, round(capacity * c.shape[0] / n_requests))
+            longest = max(longest, int(top_k_lengths(c, k).max()))
+        return longest
 
     def requests_to_draft(self, n_requests: int) -> int:
         """How many of the step's requests to draft for (after ``prepare``): all, except on a probe."""
