@@ -205,7 +205,7 @@ def test_async_spread_depth_drafts_one_past_the_longest_share_of_k():
     even = np.tile([[0.9, 0.6, 0.3, 0.2, 0.2, 0.2, 0.2]], (4, 1))
     skewed = np.array([[0.99] * 7] + [[0.05] * 7] * 3)
     for c, capped in ((even, True), (skewed, False)):
-        pol, plain = AsyncPolicy(FLAT, spread_depth=True, min_gain=0.0), AsyncPolicy(FLAT, min_gain=0.0)
+        pol, plain = AsyncPolicy(FLAT, min_gain=0.0), AsyncPolicy(FLAT, min_gain=0.0, spread_depth=False)
         for _ in range(4):
             for p in (pol, plain):
                 p.prepare(4)

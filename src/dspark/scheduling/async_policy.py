@@ -79,11 +79,14 @@ class AsyncPolicy:
     K = 2 pay, and drafting slot 2 for nothing cost ~1.1 ms a step (the profile's depth-1 and depth-7 prices). Lossless: it reads the same old confidences as K. Not the default: drafting fell
     from 10.8 to 10.4 % of step time at C = 1 and throughput did not move measurably (results/serving-s19-lean).
 
-    With ``spread_depth`` the drafted depth is also capped by how K was shared in the pooled steps: one more than
-    the most slots a single request took when each pooled step's own top-K was chosen. K counts the drafts of the
-    whole batch, but at R = 2 on the dev CPU (slow state of session 29) K >= 4 was spent 2 + 2 nearly always while
-    K + 1 = 5 slots were drafted per request, 5.7 ms of drafting a step against fixed-2's depth 2
-    (results/decisions-s29). Lossless: the cap reads only old confidences.
+    With ``spread_depth`` (the default since session 29) the drafted depth is also capped by how K was shared in
+    the pooled steps: one more than the most slots a single request took when each pooled step's own top-K was
+    chosen. K counts the drafts of the whole batch, but at R = 2 on the dev CPU (slow state of session 29) K >= 4
+    was spent 2 + 2 nearly always while K + 1 = 5 slots were drafted per request, 5.7 ms of drafting a step
+    against fixed-2's depth 2 (results/decisions-s29). With the cap: 1.017 [1.008, 1.022] of the uncapped
+    throughput at C = 2, 1.013 [1.012, 1.015] at C = 4, 0.997 at C = 1 where it cannot bite (3 repeats, paired;
+    results/spread-s29). Lossless: the cap reads only old confidences. K is still priced at depth K + 1, which
+    errs on the side of drafting less.
 
     With ``online_calibration`` (policy ``async-online``) every confidence it uses is first scaled by the ratio of
     accepted to predicted drafts on the verified slots so far (``acceptance_tracker.py``); the engine reports each
@@ -133,7 +136,7 @@ class AsyncPolicy:
                  reprobe_every: int | None = None, max_age: int | None = 16, near_loss: float = 0.05,
                  early_stop: bool = False, lean_depth: bool = False, live: bool = False, steady_run: int = 1,
                  confirm: bool = False, far_loss: float = 0.1, far_probe_every: int | None = None,
-                 price_context: bool = True, spread_depth: bool = False):
+                 price_context: bool = True, spread_depth: bool = True):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
