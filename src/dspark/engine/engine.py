@@ -154,9 +154,6 @@ class Engine:
         for req in self.running:
             if req.status is not Status.PREFILL or req.prefix_state == "done":
                 continue
-            if req.params.prompt_logprobs is not None:  # a copied position has no logits to read them from
-                req.prefix_state = "done"
-                continue
             match = self.prefixes.find(req, self.running, self._coverage)
             req.prefix_state = "waiting" if match is not None and match.wait else "done"
             if match is not None and not match.wait:

@@ -57,9 +57,10 @@ class PrefixCache:
 
     def find(self, req: Request, running: list[Request], coverage: Callable[[Request], int]) -> Match | None:
         """The donor sharing the longest prefix of req's prompt (at least min_tokens); coverage(donor) caps what
-        a donor can give (the positions its drafter context and pending states cover)."""
+        a donor can give (the positions its drafter context and pending states cover). None for a request that
+        scores its prompt (prompt_logprobs): a copied position has no logits to read them from."""
         wanted = req.prompt[: len(req.prompt) - 1]
-        if len(wanted) < self.min_tokens:
+        if len(wanted) < self.min_tokens or req.params.prompt_logprobs is not None:
             return None
         head, best = wanted[: self.min_tokens], None
         for donor in itertools.chain(running, self.kept.values()):

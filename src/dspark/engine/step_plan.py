@@ -163,15 +163,14 @@ def plan_step(running: list[Request], drafter, policy, config, max_position: int
         plan.prefilling.append(req)
         plan.prefill_token_rows.append(list(range(n, n + take)))
         done = req.prefilled + take == len(req.prompt)
-        if req.params.prompt_logprobs is not None:  # every row's logits; the last is also the first token's
-            plan.prefill_prompt_rows.append(range(len(logit_rows), len(logit_rows) + take))
-            plan.prefill_logit_rows.append(len(logit_rows) + take - 1 if done else None)
+        scores = req.params.prompt_logprobs is not None  # every row's logits; the last is also the first token's
+        first = len(logit_rows)
+        if scores:
             logit_rows += range(n, n + take)
-        else:
-            plan.prefill_prompt_rows.append(None)
-            plan.prefill_logit_rows.append(len(logit_rows) if done else None)
-            if done:
-                logit_rows.append(n + take - 1)
+        elif done:
+            logit_rows.append(n + take - 1)
+        plan.prefill_prompt_rows.append(range(first, first + take) if scores else None)
+        plan.prefill_logit_rows.append(len(logit_rows) - 1 if done else None)
         n += take
     plan.tokens = torch.tensor([t for p in pieces for t in p], dtype=torch.long)
     plan.logit_rows = torch.tensor(logit_rows, dtype=torch.long)

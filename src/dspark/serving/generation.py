@@ -80,10 +80,9 @@ class Responder:
         return self._formatter(index).echoed(req.prompt, req.prompt_logprobs) if self.wants_logprobs else None
 
     def final(self, reqs) -> dict:
-        choices = []
+        choices, shown = [], not self.gen.echo_only
         for i, req in enumerate(reqs):
             echoed = self._echo_logprobs(req, i) if self.gen.echo else None
-            shown = not self.gen.echo_only
             logprobs = self._logprobs(req.logprobs if shown else [], i)
             choice = {"index": i, "finish_reason": req.finish_reason,
                       "logprobs": logprobs if echoed is None else joined(echoed, logprobs)}
@@ -92,7 +91,7 @@ class Responder:
             else:
                 choice["text"] = (self.echo_text(req, i) if self.gen.echo else "") + (req.text if shown else "")
             choices.append(choice)
-        return {**self._head(self.object), "choices": choices, "usage": usage(reqs, self.gen.n, not self.gen.echo_only),
+        return {**self._head(self.object), "choices": choices, "usage": usage(reqs, self.gen.n, shown),
                 "speculative": spec_stats(reqs)}
 
     def echo_chunk(self, req, index: int) -> dict:
