@@ -82,8 +82,8 @@ class AsyncPolicy:
     With ``spread_depth`` (the default since session 29) the drafted depth is also capped by how K was shared in
     the pooled steps: one more than the most slots a single request took when each pooled step's own top-K was
     chosen. K counts the drafts of the whole batch, but at R = 2 on the dev CPU (slow state of session 29) K >= 4
-    was spent 2 + 2 nearly always while K + 1 = 5 slots were drafted per request, 5.7 ms of drafting a step
-    against fixed-2's depth 2 (results/decisions-s29). With the cap: 1.017 [1.008, 1.022] of the uncapped
+    on 94 % of the steps verified 3.9 drafts a step for the two requests, while K + 1 >= 5 slots were drafted per
+    request, 5.7 ms of drafting a step against fixed-2's depth 2 (results/decisions-s29). With the cap: 1.017 [1.008, 1.022] of the uncapped
     throughput at C = 2, 1.013 [1.012, 1.015] at C = 4, 0.997 at C = 1 where it cannot bite (3 repeats, paired;
     results/spread-s29). Lossless: the cap reads only old confidences. K is still priced at depth K + 1, which
     errs on the side of drafting less.
@@ -318,8 +318,7 @@ class AsyncPolicy:
     @staticmethod
     def _longest_share(c_old, n_requests: int, capacity: int) -> int | None:
         """The most slots one request took when each pooled step's own top-K was chosen, K scaled to that step's
-        rows (a probe's two rows get their share of K): at R = 2 on the dev CPU K = 4 was spent 2 + 2 nearly
-        always, yet K + 1 = 5 slots were drafted for each request. None when K = 0."""
+        rows (a probe's two rows get their share of K). None when K = 0."""
         if capacity < 1:
             return None
         longest = 1
