@@ -1,5 +1,7 @@
 """Prompt-prefix reuse (engine/prefix_cache.py): copying a shared prefix changes no output, hands the drafter the
 context prefilling would have built, waits for a donor still prefilling, and stays inside the KV budget."""
+import random
+
 import pytest
 import torch
 
@@ -156,6 +158,13 @@ def test_output_distribution_with_copied_prefixes_is_the_targets(policy):
 def test_common_prefix_and_bad_settings():
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert common_prefix([1, 2], [1, 2, 3]) == 2 and common_prefix([], [1]) == 0
+    rng = random.Random(0)
+    for _ in range(300):  # against the one-token-at-a-time definition, around the 64-token blocks it skips by
+        a = [rng.randrange(3) for _ in range(rng.randrange(200))]
+        cut = rng.randrange(len(a) + 1)
+        b = a[:cut] + [rng.randrange(3) for _ in range(rng.randrange(200))]
+        naive = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix(a, b) == common_prefix(b, a) == naive
     with pytest.raises(ValueError, match="prefix_min_tokens"):
         PrefixCache(min_tokens=0)
     with pytest.raises(ValueError, match="prefix_cache_entries"):
