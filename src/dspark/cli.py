@@ -48,6 +48,13 @@ def add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this fraction of the most likely one (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide positive (multiply negative) logits of tokens already in the prompt or output "
+                        "(1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, on generated tokens")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, on generated tokens")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens before EOS")
@@ -64,9 +71,11 @@ def run_generate(args) -> int:
     from .decoding import SamplingParams
     from .generate import TextGenerator
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_new_tokens=args.max_new_tokens, logprobs=args.logprobs,
-                            prompt_logprobs=args.prompt_logprobs, min_tokens=args.min_tokens)  # checked before loading
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            seed=args.seed, max_new_tokens=args.max_new_tokens, logprobs=args.logprobs,
+                            prompt_logprobs=args.prompt_logprobs, min_tokens=args.min_tokens,
+                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty)  # checked before loading
     for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
         if value is not None and not args.json:
             raise ValueError(f"{flag} needs --json (they are printed with the JSON object)")

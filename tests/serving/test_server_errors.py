@@ -48,6 +48,9 @@ CASES = [  # (body, path, status, param, code)
     ({"prompt": "hi", "logit_bias": {"99999999": 1}}, "/v1/completions", 400, "logit_bias", None),
     ({"prompt": "hi", "logit_bias": {"5": 500}}, "/v1/completions", 400, None, None),
     ({"prompt": "hi", "frequency_penalty": 3}, "/v1/completions", 400, None, None),
+    ({"prompt": "hi", "min_p": 1.5}, "/v1/completions", 400, "min_p", "invalid_value"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "/v1/completions", 400, "repetition_penalty", "invalid_value"),
+    ({"prompt": "hi", "repetition_penalty": 500}, "/v1/completions", 400, None, None),
     ({"prompt": ["a", ""]}, "/v1/completions", 400, "prompt", None),
     ({"prompt": [[1, 2], []]}, "/v1/completions", 400, "prompt", None),
     ({"prompt": [[1, 2], [99999999]]}, "/v1/completions", 400, "prompt", None),
@@ -79,6 +82,13 @@ CASES = [  # (body, path, status, param, code)
      "max_completion_tokens", "context_length_exceeded"),
     (b'{"prompt": "hi", "temperature": 1e999}', "/v1/completions", 400, "temperature", "invalid_value"),
     ({"prompt": "hi", "stream": "yes"}, "/v1/completions", 400, "stream", "invalid_value"),
+    ({}, "/tokenize", 400, None, "invalid_value"),
+    ({"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}, "/tokenize", 400, None, "invalid_value"),
+    ({"model": "gpt-4", "prompt": "hi"}, "/tokenize", 404, "model", "model_not_found"),
+    ({"prompt": "\ud800"}, "/tokenize", 400, "prompt", None),
+    ({"tokens": [1, -2]}, "/detokenize", 400, "tokens", None),
+    ({"tokens": [99999999]}, "/detokenize", 400, "tokens", None),
+    ({"tokens": "12"}, "/detokenize", 400, "tokens", "invalid_value"),
 ]
 
 

@@ -220,6 +220,38 @@ def test_penalties_change_the_greedy_answer(client):
     assert penalized.choices[0].logprobs.tokens != tokens
 
 
+def test_repetition_penalty_and_min_p_reach_the_engine(client):
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=30, logprobs=0)
+    greedy = client.completions.create(temperature=0, **kw).choices[0].logprobs.tokens
+    penalized = client.completions.create(temperature=0, extra_body={"repetition_penalty": 20.0}, **kw)
+    assert penalized.choices[0].logprobs.tokens != greedy
+    # min_p = 1 keeps only the most likely token: sampling then is greedy decoding
+    argmax = client.completions.create(temperature=1.0, seed=3, extra_body={"min_p": 1.0}, **kw)
+    assert argmax.choices[0].logprobs.tokens == greedy
+
+
+def post(server, path: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{server.url}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as r:
+        return json.loads(r.read())
+
+
+def test_tokenize_gives_the_ids_the_completion_endpoints_use(client, server):
+    text = "Once upon a time"
+    ids = post(server, "/tokenize", {"prompt": text})
+    by_text = client.completions.create(model="tiny", prompt=text, max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model="tiny", prompt=ids["tokens"], max_tokens=8, temperature=0)
+    assert ids["count"] == len(ids["tokens"]) == by_text.usage.prompt_tokens and ids["max_model_len"] > 0
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert post(server, "/detokenize", {"tokens": ids["tokens"]}) == {"prompt": text}
+    chat = post(server, "/tokenize", {"model": "tiny", "messages": MESSAGES})
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0)
+    assert chat["count"] == answer.usage.prompt_tokens
+    bare = post(server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
+    assert bare["tokens"] == chat["tokens"][: bare["count"]] and bare["count"] < chat["count"]
+
+
 def test_a_repeated_prompt_prefix_is_reported_as_cached_tokens(client, server):
     """The second request copies the first one's prompt KV (engine/prefix_cache.py): OpenAI's
     usage.prompt_tokens_details.cached_tokens says how much, /metrics counts it, and the answer is the same."""

@@ -11,13 +11,14 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
                     draft_probs: torch.Tensor | None, params: list[SamplingParams],
                     generators: list[torch.Generator], stop_mask: torch.Tensor,
                     table: tuple[torch.Tensor, list[int]] | None = None,
-                    histories: list | None = None, stop_ids: list | None = None) -> VerifyResult:
+                    histories: list | None = None, stop_ids: list | None = None,
+                    prompts: list | None = None) -> VerifyResult:
     """logits[r]: [ℓ_r+1, V] target rows of request r; drafts: [R, γ]; num_draft: [R]; draft_probs: [R, γ, V]
     or None; stop_mask: [R, γ] bool (draft k of request r is one of r's stop tokens); table: (all rows [M, V],
     the first row of each request) when every logits[r] is a run of rows of one tensor, as in the engine's
     forward: greedy requests then take one batched argmax. histories[r]: the tokens request r generated so far (its
     anchor last), which its penalties count (decoding/sampling.target_logits); stop_ids[r]: its stop token ids,
-    masked before its min_tokens.
+    masked before its min_tokens; prompts[r]: its prompt, which a repetition penalty also counts.
 
     Greedy requests take the argmax fast path; the rest are processed with their own parameters (the same
     ones their drafts were processed with) and verified together. Buffers are only as wide as the longest
@@ -35,7 +36,7 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
 
     def adjusted(r: int) -> torch.Tensor:  # logit_bias, penalties, min_tokens: the target as request r samples it
         return target_logits(logits[r], params[r], histories[r] if histories else (), drafts[r],
-                             stop_ids[r] if stop_ids else ())
+                             stop_ids[r] if stop_ids else (), prompts[r] if prompts else ())
 
     greedy = [r for r in range(R) if params[r].greedy]
     sampled = [r for r in range(R) if not params[r].greedy]

@@ -5,6 +5,7 @@ before p and q are formed. Both sides therefore call `to_probs` with the same `S
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ class SamplingError(ValueError):
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI's API allows
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI's API allows
+MAX_REPETITION_PENALTY = 100.0  # far past any useful value (1.1–1.3 is typical); keeps logits finite
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy (one-hot argmax on both sides)
     top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # 0 = off
+    # vLLM's min_p: after temperature, tokens less likely than min_p × the most likely one are dropped (before
+    # top-k and top-p, vLLM's order); like them it shapes the draft's q and the target's p alike (invariant 2)
+    min_p: float = 0.0  # in [0, 1]; 0 = off
     max_new_tokens: int = 128
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
@@ -42,6 +47,9 @@ class SamplingParams:
     # [count > 0]; target-side like logit_bias, and inside a verified block each row counts the drafts before it
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's (and transformers') repetition_penalty on every token of the prompt or generated so far: a positive
+    # logit is divided by it, a negative one multiplied (> 1 discourages repeats); applied before the two above
+    repetition_penalty: float = 1.0
     # vLLM's min_tokens: before this many tokens are generated the stop tokens (EOS unless ignore_eos, and
     # stop_token_ids) have probability 0 in the target's distribution, and stop strings are not matched
     min_tokens: int = 0
@@ -52,6 +60,8 @@ class SamplingParams:
             raise SamplingError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0 <= self.min_p <= 1:
+            raise SamplingError(f"min_p must be a number in [0, 1] (0 disables it), got {self.min_p!r}")
         if int(self.top_k) != self.top_k or self.top_k < 0:
             raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens <= 0:
@@ -68,6 +78,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise SamplingError(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        rep = self.repetition_penalty
+        if not isinstance(rep, (int, float)) or isinstance(rep, bool) or not 0 < rep <= MAX_REPETITION_PENALTY:
+            raise SamplingError(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 disables "
+                                f"it), got {rep!r}")
         if isinstance(self.min_tokens, bool) or int(self.min_tokens) != self.min_tokens \
                 or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise SamplingError(f"min_tokens must be an integer in [0, max_new_tokens = {self.max_new_tokens}], "
@@ -85,18 +99,21 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether target_logits changes the target's logits for this request (logit_bias or a penalty)."""
-        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1)
 
     def adjusts_logits_after(self, generated: int) -> bool:
         """Whether target_logits changes anything for a request that has generated `generated` tokens."""
         return self.adjusts_logits or generated < self.min_tokens
 
 
-def target_logits(logits: torch.Tensor, params: SamplingParams, history=(), drafts=None, stops=()) -> torch.Tensor:
+def target_logits(logits: torch.Tensor, params: SamplingParams, history=(), drafts=None, stops=(),
+                  prompt=()) -> torch.Tensor:
     """The target's logits [n, V] as this request samples from them: its logit_bias and penalties applied, and
     its stop tokens ``stops`` masked on rows before min_tokens (a new tensor; the raw logits stay what
     log-probabilities report). Row j is the distribution after the request's generated tokens ``history`` (the
-    anchor last) and ``drafts[:j]``, the drafts verified before it. Only verification calls it — a drafter may
+    anchor last) and ``drafts[:j]``, the drafts verified before it; the repetition penalty also counts the
+    ``prompt``. Only verification calls it — a drafter may
     leave all this out: its q is whatever it sampled from, so acceptance uses the adjusted p either way (it only
     drafts worse)."""
     early = params.min_tokens - len(history)  # leading rows that predict a token before min_tokens
@@ -112,8 +129,16 @@ def target_logits(logits: torch.Tensor, params: SamplingParams, history=(), draf
             raise SamplingError(f"logit_bias names token {int(ids.max())}; the vocabulary has {vocab}")
         bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=out.device)
         out.index_add_(-1, ids, bias.expand(*out.shape[:-1], -1))
-    if params.presence_penalty or params.frequency_penalty:
+    counts = None
+    if params.repetition_penalty != 1:
         counts = _token_counts(n, vocab, history, drafts, out.device)  # [n, V]
+        seen = counts > 0
+        if len(prompt):
+            seen |= torch.bincount(torch.as_tensor(list(prompt), device=out.device), minlength=vocab)[:vocab] > 0
+        rep = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
+    if params.presence_penalty or params.frequency_penalty:
+        counts = _token_counts(n, vocab, history, drafts, out.device) if counts is None else counts  # [n, V]
         out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
     return out
 
@@ -132,7 +157,7 @@ def _token_counts(n: int, vocab: int, history, drafts, device) -> torch.Tensor:
 
 
 def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits: [..., V] -> fp32 probabilities [..., V] after temperature, top-k and top-p.
+    """logits: [..., V] -> fp32 probabilities [..., V] after temperature, min-p, top-k and top-p (vLLM's order).
 
     Greedy gives the one-hot argmax (first index on exact ties, as torch.argmax), so greedy verification
     is the ordinary rejection rule applied to point masses.
@@ -141,6 +166,10 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature
+    if params.min_p > 0:
+        # p < min_p · p_max  <=>  logit < max logit + log(min_p): no softmax needed (exp is monotone)
+        floor = logits.amax(-1, keepdim=True) + math.log(params.min_p)  # [..., 1]
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

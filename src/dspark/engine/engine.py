@@ -252,7 +252,8 @@ class Engine:
         result = verify_requests(logits, plan.drafts, plan.lengths, plan.draft_probs, [r.params for r in reqs],
                                  [r.generator for r in reqs], self._stop_mask(reqs, plan.drafts, plan.lengths),
                                  table=(out.logits, [rows.start for rows in plan.decode_logit_rows]),
-                                 histories=[r.output for r in reqs], stop_ids=[self._stop_ids(r) for r in reqs])
+                                 histories=[r.output for r in reqs], stop_ids=[self._stop_ids(r) for r in reqs],
+                                 prompts=[r.prompt for r in reqs])
         observe = getattr(self.policy, "observe_outcomes", None)  # online calibration (scheduling/acceptance_tracker)
         if observe is not None and plan.confidences is not None:
             observe(plan.confidences, plan.lengths.numpy(), result.accepted.numpy())
@@ -292,7 +293,7 @@ class Engine:
                 empty = torch.zeros(1, 0, dtype=torch.long)
                 first = verify_requests([out.logits[logit_row: logit_row + 1]], empty, torch.zeros(1, dtype=torch.long),
                                         None, [req.params], [req.generator], torch.zeros(1, 0, dtype=torch.bool),
-                                        stop_ids=[self._stop_ids(req)])
+                                        stop_ids=[self._stop_ids(req)], prompts=[req.prompt])
                 req.status = Status.DECODE
                 token = int(first.next_token[0])
                 asked = req.params.logprobs

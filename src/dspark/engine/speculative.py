@@ -177,7 +177,7 @@ class Generation:
     def _verify(self, drafts, probs, logits, n: int, history=()):
         """history: the tokens generated so far (the anchor last), which penalties and min_tokens count."""
         num = torch.tensor([n])
-        logits = target_logits(logits[0], self.params, history, drafts[0], self.stop_set).unsqueeze(0)
+        logits = target_logits(logits[0], self.params, history, drafts[0], self.stop_set, self.prompt).unsqueeze(0)
         if self.params.greedy:
             return verify_greedy(drafts, logits, num, self.stop_ids)
         target_probs = to_probs(logits, self.params)  # [1, n+1, V]

@@ -53,6 +53,8 @@ def valid_payload(rng: random.Random, model: str, max_tokens: int) -> tuple[str,
         payload["n"] = rng.choice([2, 3])
     if rng.random() < 0.2:
         payload.update({"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2})
+    if rng.random() < 0.15:  # vLLM's sampling extensions
+        payload.update(rng.choice([{"min_p": 0.05}, {"repetition_penalty": 1.2}]))
     if chat:
         payload["messages"] = [{"role": "user", "content": f"Tell me about {topic}."}]
         return "/v1/chat/completions", payload

@@ -20,27 +20,27 @@ MAX_CHOICES = 16  # n: each choice is one engine request, so one HTTP request ma
 MAX_BATCH = 64  # completions: prompts × n engine requests in one HTTP request (the server's default queue)
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do, so newer clients keep working; 1e999 parses
     # to infinity in JSON, so non-finite numbers are refused here too.
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictModel):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
 
 
-class _Common(_Strict):
+class _Common(StrictModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -48,6 +48,7 @@ class _Common(_Strict):
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM) and 0 both mean off
+    min_p: float | None = Field(default=None, ge=0, le=1)  # vLLM's extension; 0 means off
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch's generator takes
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
@@ -58,6 +59,7 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS_TOKENS)  # token id -> bias
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0)  # vLLM's extension; 1 means off
 
 
 class ChatCompletionRequest(_Common):
@@ -170,9 +172,9 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stops))
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     out = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(messages):
         if isinstance(m.content, list):
             if any(p.type != "text" or p.text is None for p in m.content):
                 raise bad_request("only text content parts are supported", f"messages.{i}.content")
@@ -187,15 +189,20 @@ def encode_prompts(req: _Common, tokenizer, vocab_size: int) -> tuple[list[list[
     """-> (token ids of each prompt, the parameter they came from). Runs off the event loop (templating can be
     slow)."""
     if isinstance(req, ChatCompletionRequest):
-        try:
-            ids = tokenizer.apply_chat_template(chat_messages(req), add_generation_prompt=True, tokenize=True)
-        except APIError:
-            raise
-        except Exception as exc:  # the template rejects the conversation (e.g. roles must alternate)
-            raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        return [[int(t) for t in ids]], "messages"
-    return [_encode_one(p, tokenizer, vocab_size) for p in prompt_list(req)], "prompt"
+        return [encode_chat(req.messages, tokenizer)], "messages"
+    return [encode_prompt(p, tokenizer, vocab_size) for p in prompt_list(req)], "prompt"
+
+
+def encode_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool = True) -> list[int]:
+    try:
+        ids = tokenizer.apply_chat_template(chat_messages(messages), add_generation_prompt=add_generation_prompt,
+                                            tokenize=True)
+    except APIError:
+        raise
+    except Exception as exc:  # the template rejects the conversation (e.g. roles must alternate)
+        raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return [int(t) for t in ids]
 
 
 def prompt_list(req: CompletionRequest) -> list:
@@ -208,10 +215,11 @@ def prompt_list(req: CompletionRequest) -> list:
     return prompts
 
 
-def _encode_one(prompt: str | list[int], tokenizer, vocab_size: int) -> list[int]:
+def encode_prompt(prompt: str | list[int], tokenizer, vocab_size: int,
+                  add_special_tokens: bool = False) -> list[int]:
     if isinstance(prompt, str):
         try:
-            return list(tokenizer.encode(prompt, add_special_tokens=False))
+            return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         except Exception as exc:  # e.g. lone surrogates from a "\ud800" escape
             raise bad_request(f"the prompt could not be tokenized: {exc}", "prompt") from None
     if any(t < 0 or t >= vocab_size for t in prompt):
@@ -261,7 +269,7 @@ def build_generation(req: _Common, prompts: list[list[int]], param: str, max_pos
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
     try:
         params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                                top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+                                top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, min_p=req.min_p or 0.0,
                                 # max_tokens 0 generates one token, never shown: the prompt's last position
                                 max_new_tokens=1 if asked == 0 else asked or min(default_max_tokens, room),
                                 seed=req.seed, ignore_eos=req.ignore_eos, logprobs=logprobs_asked(req),
@@ -269,7 +277,8 @@ def build_generation(req: _Common, prompts: list[list[int]], param: str, max_pos
                                 stop_token_ids=stop_ids(req.stop_token_ids, vocab_size),
                                 logit_bias=logit_bias(req.logit_bias, vocab_size),
                                 presence_penalty=req.presence_penalty or 0.0,
-                                frequency_penalty=req.frequency_penalty or 0.0, min_tokens=req.min_tokens or 0)
+                                frequency_penalty=req.frequency_penalty or 0.0, min_tokens=req.min_tokens or 0,
+                                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
     except SamplingError as exc:
         raise bad_request(str(exc)) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -28,6 +28,7 @@ from .generation import Responder, SSEResponse, collect_all, race_disconnect, ss
 from .metrics import ServerCounters, render
 from .protocol import (ChatCompletionRequest, CompletionRequest, build_generation, check_unsupported,
                        encode_prompts, read_json)
+from .tokenize import detokenize, tokenize
 
 OPEN_PATHS = ("/health",)  # liveness probes need no key; everything else does when one is configured
 
@@ -237,7 +238,8 @@ async def _internal_error(request, exc: Exception):
 ROUTES = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
           Route("/v1/completions", completions, methods=["POST"]),
           Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
-          Route("/metrics", metrics, methods=["GET"])]
+          Route("/metrics", metrics, methods=["GET"]), Route("/tokenize", tokenize, methods=["POST"]),
+          Route("/detokenize", detokenize, methods=["POST"])]
 KNOWN_PATHS = {r.path for r in ROUTES}
 
 
