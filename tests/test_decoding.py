@@ -131,3 +131,35 @@ def test_batched_verification_equals_per_request_reference():
         assert (int(got.accepted[r]), int(got.next_token[r]), bool(got.stopped[r])) == \
             (int(want.accepted[0]), int(want.next_token[0]), bool(want.stopped[0])), r
     assert int(got.accepted.sum()) > 0 and bool(got.stopped[4])
+
+
+def full_sort_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The reference: sort the whole row, drop every token with top_p of mass before it."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p
+    kept = probs.masked_fill(torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted), 0.0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.999])
+def test_top_p_from_candidates_equals_a_full_sort(top_p):
+    """_top_p ranks only the most likely 256 (then 4,096) tokens of a row, and sorts the row only when they hold
+    less than top_p: peaked rows (first candidates), flat rows (a full sort), a batch mixing both (each row
+    escalates alone), a [R, γ, V] block, and a vocabulary smaller than the candidates."""
+    from dspark.decoding.sampling import _top_p
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 20_000
+    peaked = torch.randn(6, vocab, generator=g) * 6
+    flat = torch.randn(3, vocab, generator=g) * 0.5
+    middle = torch.randn(3, vocab, generator=g) * 2.5  # top 256 short of top_p, top 4,096 enough (for most p)
+    for logits in (peaked, flat, torch.cat([flat[:1], peaked, middle, flat[1:]]), peaked.reshape(2, 3, vocab),
+                   torch.randn(4, 100, generator=g)):
+        probs = torch.softmax(logits, -1)
+        assert torch.equal(_top_p(probs, top_p), full_sort_top_p(probs, top_p))
+    def top_mass(logits, k):
+        return torch.softmax(logits, -1).topk(k, -1).values.sum(-1)
+
+    assert bool((top_mass(peaked, 256) > 0.99).all())  # the three kinds of row take the three paths
+    assert bool((top_mass(middle, 256) < 0.9).all()) and bool((top_mass(middle, 4096) > 0.9).all())
+    assert bool((top_mass(flat, 4096) < 0.5).all())

@@ -138,6 +138,7 @@ def add_bench(sub) -> None:
                    help="per cell, first run the loop until every client's first request has finished (at most this "
                         "many seconds), then measure: the steady state instead of the start-up wave")
     s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--length-spread", type=float, default=0.5,
                    help="request i may produce up to max-new-tokens × u_i, u_i uniform in [1 - s, 1 + s] from a fixed "
                         "seed (the same sequence for every policy); 0: one length for all")
@@ -208,7 +209,8 @@ def run_bench_serve(args) -> int:
                          policies=tuple(args.policies.split(",")),
                          concurrency=tuple(int(c) for c in args.concurrency.split(",")),
                          max_new_tokens=args.max_new_tokens, seconds_per_cell=args.seconds, repeats=args.repeats,
-                         warmup_s=args.warmup, temperature=args.temperature, out=args.out, traces=args.traces,
+                         warmup_s=args.warmup, temperature=args.temperature, top_p=args.top_p, out=args.out,
+                         traces=args.traces,
                          sequential=args.sequential, length_spread=args.length_spread,
                          requests_per_client=args.requests_per_client, prompt_tokens=args.prompt_tokens,
                          prefix_cache=not args.no_prefix_cache))

@@ -38,6 +38,7 @@ class ServeBenchConfig:
     repeats: int = 1
     warmup_s: float = 0.0  # per cell: run until the first wave of requests finished (at most this long), then measure
     temperature: float = 0.0
+    top_p: float = 1.0
     out: Path = field(default=Path("results/serving"))
     traces: Path | None = None  # acceptance traces of this drafter: also simulate each cell (see `simulated`)
     sequential: bool = False  # run each policy's cell alone instead of stepping all policies' loops in turn
@@ -70,7 +71,7 @@ def setup(cfg: ServeBenchConfig):
         texts = lengthened(texts, lambda t: len(prompt_ids(loaded.tokenizer, t, chat=True)), cfg.prompt_tokens,
                            loaded.model.config.max_position - cfg.max_new_tokens * 2 - cfg.gamma - 1)
     prompts = [prompt_ids(loaded.tokenizer, text, chat=True) for text in texts]
-    params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=0)
+    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=0)
     engines = {}
     for name in cfg.policies:
         policy = build_policy(name, drafter, cfg.model, cfg.dtype, loaded.model, cfg.gamma)
@@ -153,7 +154,8 @@ def run(cfg: ServeBenchConfig) -> dict:
             **{f"{v.replace('-', '_')}_paired_ratios": r for v, r in variants.items()}, "runs": runs}
     sim = cfg.traces is not None
     md = (f"# Serving benchmark ({cfg.model}, drafter {cfg.drafter}, T={cfg.temperature:g}, "
-          f"{cfg.max_new_tokens} ± {100 * cfg.length_spread:g} % new tokens per request, "
+          + (f"top-p {cfg.top_p:g}, " if cfg.top_p < 1 else "")
+          + f"{cfg.max_new_tokens} ± {100 * cfg.length_spread:g} % new tokens per request, "
           + (f"the same {cfg.requests_per_client} × C requests per cell for every policy"
              if cfg.requests_per_client else f"{cfg.seconds_per_cell:g} s per cell")
           + (f", prompts lengthened to >= {cfg.prompt_tokens} tokens" if cfg.prompt_tokens else "")

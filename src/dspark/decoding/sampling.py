@@ -102,6 +102,11 @@ class SamplingParams:
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1)
 
+    @property
+    def processing(self) -> tuple:
+        """What ``to_probs`` reads: requests equal in it can be processed as one batch (their seeds may differ)."""
+        return (self.temperature, self.top_k, self.top_p, self.min_p)
+
     def adjusts_logits_after(self, generated: int) -> bool:
         """Whether target_logits changes anything for a request that has generated `generated` tokens."""
         return self.adjusts_logits or generated < self.min_tokens
@@ -179,13 +184,34 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+TOP_P_CANDIDATES = (256, 4096)  # most likely tokens ranked before the whole row is sorted
+
+
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    # Keep the smallest set of most likely tokens whose mass reaches top_p (the top token always stays).
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_p.cumsum(-1) - sorted_p  # [..., V]
-    drop_sorted = mass_before >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-    kept = probs.masked_fill(drop, 0.0)
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (the top token always stays).
+
+    Only the most likely tokens are ranked: sorting a 49,152-token row cost 1.9 ms on the dev CPU, its top 256
+    0.06 ms, and verification at 32 requests spent 130 ms a step sorting. A row whose candidates hold less than
+    top_p tries more, then sorts in full; every token outside a row's candidates has at least top_p of mass before
+    it, so it is dropped either way: the rule of a full sort."""
+    vocab = probs.shape[-1]
+    flat = probs.reshape(-1, vocab)  # [N, V]
+    kept, todo = torch.zeros_like(flat), None  # todo: rows still to decide (None: all)
+    for k in (*(c for c in TOP_P_CANDIDATES if c < vocab), vocab):
+        rows = flat if todo is None else flat[todo]
+        sorted_p, order = rows.topk(k, dim=-1) if k < vocab else rows.sort(dim=-1, descending=True)  # [n, k]
+        mass = sorted_p.cumsum(-1)
+        kept_sorted = sorted_p.masked_fill(mass - sorted_p >= top_p, 0.0)  # mass before a token reaches top_p: out
+        done = (mass[:, -1] >= top_p) | (k == vocab)  # [n]
+        if todo is None and bool(done.all()):
+            kept.scatter_(-1, order, kept_sorted)
+            break
+        index = torch.arange(flat.shape[0]) if todo is None else todo
+        kept[index[done]] = torch.zeros(int(done.sum()), vocab).scatter_(-1, order[done], kept_sorted[done])
+        todo = index[~done]
+        if not len(todo):
+            break
+    kept = kept.reshape(probs.shape)
     return kept / kept.sum(-1, keepdim=True)
 
 

@@ -149,15 +149,16 @@ class DSparkDrafter(BatchFirstDrafter):
 
     @staticmethod
     def _process(logits: torch.Tensor, requests) -> torch.Tensor:
-        """Per-request temperature/top-k/top-p (invariant 2), batched over requests sharing parameters."""
+        """Per-request temperature/min-p/top-k/top-p (invariant 2), batched over requests that process alike
+        (different seeds included)."""
         groups: dict = {}
         for i, r in enumerate(requests):
-            groups.setdefault(r.params, []).append(i)
+            groups.setdefault(r.params.processing, []).append(i)
         if len(groups) == 1:
             return to_probs(logits, requests[0].params)
         out = torch.empty_like(logits, dtype=torch.float32)
-        for params, rows in groups.items():
-            out[rows] = to_probs(logits[rows], params)
+        for rows in groups.values():
+            out[rows] = to_probs(logits[rows], requests[rows[0]].params)
         return out
 
     @staticmethod
