@@ -1,12 +1,13 @@
-"""What does verifying a sampled step cost with top-p? decoding/batch.verify_requests as of session 30 (top-p
-from the most likely 256, then 4,096 tokens of a row) against the session-29 rule it replaced (a full sort of
-every row), on real SmolLM2-135M logits.
+"""What does verifying a sampled step cost? decoding/batch.verify_requests as of session 30 — top-p from the most
+likely 256, then 4,096 tokens of a row; one to_probs over the rows of all requests that process alike; sampling by
+a two-level CDF search — against the session-29 path, restored here: a full sort of every row for top-p, one
+to_probs per request into a zeroed buffer, an fp64 cumsum of every row to sample. On real SmolLM2-135M logits.
 
     .venv/bin/python scripts/top_p_cost.py [--requests 1,8,32] [--drafts 1,3] [--top-p 1,0.95,0.9] [--out DIR]
 
 The logits are the target's rows along sampled answers (T = 1) to a few prompts; each request of a step takes
 ℓ + 1 of them. Every request has its own seed (seeded requests, or a server's n choices). Prints the mean time
-per step of each rule (median over repeats), checks both verified the same tokens, and writes top_p.json +
+per step of each path (median over repeats), checks both verified the same tokens, and writes top_p.json +
 top_p.md.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from importlib import import_module
 from pathlib import Path
 from unittest import mock
 
@@ -26,6 +28,8 @@ from dspark.bench.common import machine_info
 from dspark.decoding import SamplingParams, make_generator
 from dspark.models import Segment, load_model
 
+verify = import_module("dspark.decoding.verify")  # the module: the package's `verify` is its function
+
 PROMPTS = ["Write a short story about a robot learning to paint.", "Explain how binary search works, with code.",
            "What is 17 * 23? Show your steps.", "List five fruits and describe their colors."]
 
@@ -36,6 +40,20 @@ def full_sort_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p
     kept = probs.masked_fill(torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted), 0.0)
     return kept / kept.sum(-1, keepdim=True)
+
+
+def per_request_rows(blocks, params, width):
+    """Session 29's buffer: zeros, each request's rows processed on their own."""
+    rows = torch.zeros(len(blocks), width + 1, blocks[0].shape[-1])
+    for i, (block, p) in enumerate(zip(blocks, params)):
+        rows[i, : block.shape[0]] = sampling.to_probs(block, p)
+    return rows
+
+
+def full_cdf_sample(probs, uniforms):
+    cdf = probs.double().cumsum(-1)
+    tokens = torch.searchsorted(cdf, (uniforms.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)
 
 
 def real_rows(model_name: str, per_prompt: int) -> torch.Tensor:
@@ -95,7 +113,9 @@ def main() -> None:
                 for _ in range(args.repeats):  # interleaved, so drift hits both
                     t, ours = time_step(inputs, calls)
                     new.append(t)
-                    with mock.patch.object(sampling, "_top_p", full_sort_top_p):
+                    with mock.patch.object(sampling, "_top_p", full_sort_top_p), \
+                            mock.patch.object(batch, "_sampled_rows", per_request_rows), \
+                            mock.patch.object(verify, "sample_from", full_cdf_sample):
                         t, ref = time_step(inputs, calls)
                     old.append(t)
                     assert all(torch.equal(getattr(ours, f), getattr(ref, f)) for f in ("accepted", "next_token"))
@@ -105,7 +125,7 @@ def main() -> None:
                 row["speedup"] = round(row["reference_ms"] / row["ms"], 1)
                 table.append(row)
                 print(row, flush=True)
-    lines = ["| top-p | drafts per request | requests | verify ms | full-sort top-p ms | ratio |",
+    lines = ["| top-p | drafts per request | requests | verify ms | session-29 path ms | ratio |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['top_p']:g} | {r['drafts']} | {r['requests']} | {r['ms']} | {r['reference_ms']} | {r['speedup']} |"
               for r in table]

