@@ -34,20 +34,26 @@ def engine(model, policy="fixed-3", drafter=None, max_running=8):
                   EngineConfig(gamma=GAMMA, max_running=max_running))
 
 
-def test_greedy_engine_and_plain_loop_equal_the_naive_penalized_decoding():
+def assert_greedy_equals_naive(params: SamplingParams, naive_logits, steps: int = 20) -> None:
+    """Greedy engine output (n-gram drafts verified) = the single-request loop = a naive decoding by
+    ``naive_logits(model, prompt, generated, params)``, and differs from the unadjusted greedy output."""
     model = tiny_target()
     prompts = [[1, 4, 2], [3, 3], [5, 0, 6, 7, 1]]
-    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, **PENALTIES)
     reqs = run_engine(engine(model, drafter=make_drafter("ngram", gamma=GAMMA)), prompts, [params] * 3)
-    unpenalized = run_engine(engine(model, drafter=make_drafter("ngram", gamma=GAMMA)), prompts,
-                             [SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)] * 3)
-    assert sum(r.drafted for r in reqs) > 0 and [r.output for r in reqs] != [r.output for r in unpenalized]
+    free = run_engine(engine(model, drafter=make_drafter("ngram", gamma=GAMMA)), prompts,
+                      [SamplingParams(temperature=0, max_new_tokens=steps, ignore_eos=True)] * 3)
+    assert sum(r.drafted for r in reqs) > 0 and [r.output for r in reqs] != [r.output for r in free]
     for req, prompt in zip(reqs, prompts):
         naive = []
-        for _ in range(20):
+        for _ in range(steps):
             naive.append(int(naive_logits(model, prompt, naive, params).argmax()))
         plain = [t for c in Generation(TransformerTarget(model), None, prompt, params) for t in c]
         assert req.output == plain == naive
+
+
+def test_greedy_engine_and_plain_loop_equal_the_naive_penalized_decoding():
+    assert_greedy_equals_naive(SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, **PENALTIES),
+                               naive_logits)
 
 
 def test_seeded_penalized_sampling_repeats():

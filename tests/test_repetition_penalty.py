@@ -7,11 +7,9 @@ import pytest
 import torch
 
 from dspark.decoding import SamplingError, SamplingParams, to_probs
-from dspark.drafters import make_drafter
-from dspark.engine import Generation, TransformerTarget
 from dspark.models import Segment
-from test_engine import GAMMA, V, chi_square_p, run_engine, tiny_target
-from test_penalties import engine
+from test_engine import V, chi_square_p, run_engine, tiny_target
+from test_penalties import assert_greedy_equals_naive, engine
 
 REP = 1.8
 
@@ -37,19 +35,8 @@ def naive_distribution(model, prompt, params, depth=3) -> dict:
 
 
 def test_greedy_engine_and_plain_loop_equal_the_naive_penalized_decoding():
-    model = tiny_target()
-    prompts = [[1, 4, 2], [3, 3], [5, 0, 6, 7, 1]]
-    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, repetition_penalty=REP)
-    reqs = run_engine(engine(model, drafter=make_drafter("ngram", gamma=GAMMA)), prompts, [params] * 3)
-    free = run_engine(engine(model, drafter=make_drafter("ngram", gamma=GAMMA)), prompts,
-                      [SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)] * 3)
-    assert sum(r.drafted for r in reqs) > 0 and [r.output for r in reqs] != [r.output for r in free]
-    for req, prompt in zip(reqs, prompts):
-        naive = []
-        for _ in range(20):
-            naive.append(int(naive_logits(model, prompt, naive, params).argmax()))
-        plain = [t for c in Generation(TransformerTarget(model), None, prompt, params) for t in c]
-        assert req.output == plain == naive
+    assert_greedy_equals_naive(SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True,
+                                              repetition_penalty=REP), naive_logits)
 
 
 def test_the_prompt_counts_from_the_first_token():
