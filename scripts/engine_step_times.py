@@ -176,6 +176,7 @@ def main() -> None:
     ap.add_argument("--async-decisions", nargs="?", const="async", default=None, metavar="POLICY",
                     help="an async scheduler (default async): steps by kind of decision")
     ap.add_argument("--profile", default=None, metavar="POLICY", help="cProfile this policy's engine")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (bench serve's)")
     ap.add_argument("--out", default=None, metavar="FILE",
                     help="also write the report to FILE, headed by the command line and the date")
     args = ap.parse_args()
@@ -209,7 +210,7 @@ def run(args) -> None:
     policies = (("fixed-7",) if args.confidence else (args.async_decisions,) if args.async_decisions
                 else (args.profile,) if args.profile else tuple(args.policies.split(",")))
     cfg = ServeBenchConfig(drafter=args.drafter, policies=policies, concurrency=(args.concurrency,),
-                           max_new_tokens=64)
+                           max_new_tokens=64, temperature=args.temperature)
     loaded, drafter, prompts, params, engines = setup(cfg)
     loops = {n: ClosedLoop(e, prompts, args.concurrency, params, 0.5) for n, e in engines.items()}
     if args.confidence:
