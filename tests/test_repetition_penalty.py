@@ -8,8 +8,8 @@ import torch
 
 from dspark.decoding import SamplingError, SamplingParams, to_probs
 from dspark.models import Segment
-from test_engine import V, chi_square_p, run_engine, tiny_target
-from test_penalties import assert_greedy_equals_naive, engine
+from test_engine import V, run_engine, tiny_target
+from test_penalties import assert_greedy_equals_naive, assert_samples_the_naive_law, engine
 
 REP = 1.8
 
@@ -61,18 +61,8 @@ def test_seeded_penalized_sampling_repeats():
 
 
 def test_penalized_output_distribution_at_batch_512():
-    model = tiny_target()
-    params = SamplingParams(temperature=1.0, top_k=6, max_new_tokens=3, ignore_eos=True, repetition_penalty=REP)
-    prompt, n = [1, 4, 2], 20_000
-    reqs = run_engine(engine(model, "fixed-2", max_running=512), [prompt] * n,
-                      [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(n)])
-    assert sum(r.accepted for r in reqs) > 0  # verified rows after accepted drafts: in-block counting is exercised
-    exact = naive_distribution(model, prompt, params)
-    p = chi_square_p(reqs, exact)
-    print(f"chi-square p = {p:.3f}")
-    assert p > 1e-3
-    free = naive_distribution(model, prompt, SamplingParams(temperature=1.0, top_k=6, max_new_tokens=3))
-    assert sum(abs(exact[k] - free[k]) for k in exact) / 2 > 0.1  # ignoring the penalty would fail the test
+    assert_samples_the_naive_law(SamplingParams(temperature=1.0, top_k=6, max_new_tokens=3, ignore_eos=True,
+                                                repetition_penalty=REP), "fixed-2", naive_distribution)
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, 101.0, "2", True, float("nan")])

@@ -197,17 +197,15 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     vocab = probs.shape[-1]
     if vocab <= TOP_P_CANDIDATES[0]:  # a small vocabulary: one sort, no bookkeeping (tests call this 10^5 times)
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        kept_sorted = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= top_p, 0.0)
-        kept = torch.zeros_like(probs).scatter_(-1, order, kept_sorted)
+        kept = torch.zeros_like(probs).scatter_(-1, order, _nucleus(sorted_p, top_p)[0])
         return kept / kept.sum(-1, keepdim=True)
     flat = probs.reshape(-1, vocab)  # [N, V]
     kept, todo = torch.zeros_like(flat), None  # todo: rows still to decide (None: all)
     for k in (*(c for c in TOP_P_CANDIDATES if c < vocab), vocab):
         rows = flat if todo is None else flat[todo]
         sorted_p, order = rows.topk(k, dim=-1) if k < vocab else rows.sort(dim=-1, descending=True)  # [n, k]
-        mass = sorted_p.cumsum(-1)
-        kept_sorted = sorted_p.masked_fill(mass - sorted_p >= top_p, 0.0)  # mass before a token reaches top_p: out
-        done = (mass[:, -1] >= top_p) | (k == vocab)  # [n]
+        kept_sorted, mass = _nucleus(sorted_p, top_p)
+        done = (mass >= top_p) | (k == vocab)  # [n]
         if todo is None and bool(done.all()):
             kept.scatter_(-1, order, kept_sorted)
             break
@@ -218,6 +216,13 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
             break
     kept = kept.reshape(probs.shape)
     return kept / kept.sum(-1, keepdim=True)
+
+
+def _nucleus(sorted_p: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """sorted_p [..., k], most likely first -> (the same with every token whose mass before it reaches top_p zeroed,
+    the k tokens' total mass [...])."""
+    mass = sorted_p.cumsum(-1)
+    return sorted_p.masked_fill(mass - sorted_p >= top_p, 0.0), mass[..., -1]
 
 
 CDF_BLOCK = 256  # tokens per block of the two-level search in sample_from

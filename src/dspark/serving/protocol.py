@@ -8,11 +8,11 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from ..decoding.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
-from .errors import APIError, ClientGone, bad_request
+from .errors import APIError, ClientGone, bad_request, from_pydantic
 
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's limit on logit_bias entries
@@ -106,6 +106,20 @@ async def read_json(request: Request, limit: int) -> dict:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_json")
     return body
+
+
+async def parse_request(request: Request, schema, limit: int, model_name: str):
+    """The body read (read_json), validated against ``schema`` (a 400 naming the parameter) and checked to name
+    this server's model (a 404); raises ClientGone if the client left while sending it."""
+    body = await read_json(request, limit)
+    try:
+        parsed = schema.model_validate(body)
+    except ValidationError as exc:
+        raise from_pydantic(exc) from None
+    if parsed.model is not None and parsed.model != model_name:
+        raise APIError(404, f"the model '{parsed.model}' does not exist; this server serves '{model_name}'",
+                       "model", "model_not_found")
+    return parsed
 
 
 @dataclass

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -23,11 +22,11 @@ from starlette.routing import Route
 from ..engine.async_engine import EngineStopped
 from ..engine.engine import RequestRejected
 from .bridge import ServingEngine, resident_memory_bytes
-from .errors import APIError, ClientGone, bad_request, from_pydantic
+from .errors import APIError, ClientGone, bad_request
 from .generation import Responder, SSEResponse, collect_all, race_disconnect, sse_events
 from .metrics import ServerCounters, render
 from .protocol import (ChatCompletionRequest, CompletionRequest, build_generation, check_unsupported,
-                       encode_prompts, read_json)
+                       encode_prompts, parse_request)
 from .tokenize import detokenize, tokenize
 
 OPEN_PATHS = ("/health",)  # liveness probes need no key; everything else does when one is configured
@@ -103,16 +102,9 @@ async def _generate(request: Request, schema, prefix: str) -> Response:
     state: ServerState = request.app.state.dspark
     cfg, counters = state.config, state.counters
     try:
-        body = await read_json(request, cfg.max_body_bytes)
+        parsed = await parse_request(request, schema, cfg.max_body_bytes, cfg.model_name)
     except ClientGone:
         return Response(status_code=499)
-    try:
-        parsed = schema.model_validate(body)
-    except ValidationError as exc:
-        raise from_pydantic(exc) from None
-    if parsed.model is not None and parsed.model != cfg.model_name:
-        raise APIError(404, f"the model '{parsed.model}' does not exist; this server serves '{cfg.model_name}'",
-                       "model", "model_not_found")
     check_unsupported(parsed)
     if state.draining:
         raise APIError(503, "the server is shutting down", None, "shutting_down", {"Retry-After": "5"})

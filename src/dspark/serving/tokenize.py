@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .errors import APIError, ClientGone, bad_request, from_pydantic
-from .protocol import ChatMessage, StrictModel, encode_chat, encode_prompt, read_json
+from .errors import ClientGone, bad_request
+from .protocol import ChatMessage, StrictModel, encode_chat, encode_prompt, parse_request
 
 MAX_DETOKENIZE = 1 << 17  # token ids per /detokenize call (the body limit comes first for most clients)
 
@@ -36,19 +36,12 @@ class DetokenizeRequest(StrictModel):
 
 
 async def _parse(request: Request, schema):
+    """(server state, the validated request), or (state, None) if the client left."""
     state = request.app.state.dspark
     try:
-        body = await read_json(request, state.config.max_body_bytes)
+        return state, await parse_request(request, schema, state.config.max_body_bytes, state.config.model_name)
     except ClientGone:
         return state, None
-    try:
-        parsed = schema.model_validate(body)
-    except ValidationError as exc:
-        raise from_pydantic(exc) from None
-    if parsed.model is not None and parsed.model != state.config.model_name:
-        raise APIError(404, f"the model '{parsed.model}' does not exist; this server serves "
-                       f"'{state.config.model_name}'", "model", "model_not_found")
-    return state, parsed
 
 
 async def tokenize(request: Request) -> Response:
