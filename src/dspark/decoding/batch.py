@@ -60,14 +60,15 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
     return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
 
 
-CHUNK_ROWS = 4  # rows per to_probs call: larger calls over 49,152-wide rows ran slower (cache), results/top-p-s30
+CHUNK_ROWS = 4  # rows per to_probs call: a cache's worth of 49,152-wide rows (see _sampled_rows)
 
 
 def _sampled_rows(blocks: list[torch.Tensor], params: list[SamplingParams], width: int) -> torch.Tensor:
     """[G, width + 1, V] each request's target distributions (blocks[i]: its ℓ_i + 1 rows of logits), zero past
-    its own rows. Requests that process alike share to_probs calls of up to CHUNK_ROWS rows: top-p over 32
-    one-row calls cost 2-3× one call over 32 rows, while calls over 16 or 64 rows of a step ran slower than
-    per-request ones at 3 drafts a request."""
+    its own rows. Requests that process alike share to_probs calls of up to CHUNK_ROWS rows: one call per
+    request pays top-p's per-call work R times, while one call over every row of a step streams them all through
+    memory, which ad-hoc timings this session found slower than per-request calls at 3 drafts a request (4 rows
+    was the size tried that was not; scripts/top_p_cost.py measures the whole path)."""
     rows = torch.zeros(len(blocks), width + 1, blocks[0].shape[-1])
     kinds: dict = {}
     for i, p in enumerate(params):

@@ -190,8 +190,8 @@ TOP_P_CANDIDATES = (256, 4096)  # most likely tokens ranked before the whole row
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (the top token always stays).
 
-    Only the most likely tokens are ranked: sorting a 49,152-token row cost 1.9 ms on the dev CPU, its top 256
-    0.06 ms, and verification at 32 requests spent 130 ms a step sorting. A row whose candidates hold less than
+    Only the most likely tokens are ranked: a top-256 costs a fraction of a full sort of a 49,152-token row, and
+    with full sorts verifying a step of 32 requests took 137–141 ms (results/top-p-s30). A row whose candidates hold less than
     top_p tries more, then sorts in full; every token outside a row's candidates has at least top_p of mass before
     it, so it is dropped either way: the rule of a full sort."""
     vocab = probs.shape[-1]
@@ -245,8 +245,8 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 def _sample_by_blocks(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """sample_from in two levels: the block holding the threshold from the blocks' masses, then the token inside
-    it — one fp64 pass of sums instead of an fp64 cumsum of every row (32 rows of 49,152: 7.9 → 0.5 ms on the dev
-    CPU). A block or a token of zero mass still never holds the threshold."""
+    it — one fp64 pass of sums instead of an fp64 cumsum of every row (part of the session-29 path that
+    scripts/top_p_cost.py restores). A block or a token of zero mass still never holds the threshold."""
     rows, vocab = probs.shape
     blocks = probs.view(rows, vocab // CDF_BLOCK, CDF_BLOCK)  # [R, nb, B]
     block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [R, nb]
