@@ -21,7 +21,7 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
     masked before its min_tokens; prompts[r]: its prompt, which a repetition penalty also counts.
 
     Greedy requests take the argmax fast path; the rest are processed with their own parameters (the same
-    ones their drafts were processed with), batched over requests that process alike, and verified together.
+    ones their drafts were processed with) and verified together.
     Buffers are only as wide as the longest verified block of the group, not γ + 1: at 32 requests with nothing
     drafted, a [R, γ + 1, V] buffer was zeroed and scanned for every step (~9 % of a step on the dev CPU with a
     49,152-token vocabulary).
@@ -60,31 +60,14 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
     return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
 
 
-CHUNK_ROWS = 4  # rows per to_probs call: a cache's worth of 49,152-wide rows (see _sampled_rows)
-
-
 def _sampled_rows(blocks: list[torch.Tensor], params: list[SamplingParams], width: int) -> torch.Tensor:
     """[G, width + 1, V] each request's target distributions (blocks[i]: its ℓ_i + 1 rows of logits), zero past
-    its own rows. Requests that process alike share to_probs calls of up to CHUNK_ROWS rows: one call per
-    request pays top-p's per-call work R times, while one call over every row of a step streams them all through
-    memory, which ad-hoc timings this session found slower than per-request calls at 3 drafts a request (4 rows
-    was the size tried that was not; scripts/top_p_cost.py measures the whole path)."""
+    its own rows. One to_probs per request: over rows of several requests its results differed in the last bits
+    from each request's own (18 of 32 four-row chunks of real logits), so a seeded request's tokens would depend
+    on which requests shared its step — the load test caught a stream that its replay did not repeat."""
     rows = torch.zeros(len(blocks), width + 1, blocks[0].shape[-1])
-    kinds: dict = {}
-    for i, p in enumerate(params):
-        kinds.setdefault(p.processing, []).append(i)
-    for members in kinds.values():
-        chunk, size = [], 0
-        for n, i in enumerate(members):
-            chunk.append(i)
-            size += blocks[i].shape[0]
-            if size >= CHUNK_ROWS or n == len(members) - 1:
-                probs = to_probs(torch.cat([blocks[j] for j in chunk]), params[i])  # [size, V]
-                at = 0
-                for j in chunk:
-                    rows[j, : blocks[j].shape[0]] = probs[at: at + blocks[j].shape[0]]
-                    at += blocks[j].shape[0]
-                chunk, size = [], 0
+    for i, (block, p) in enumerate(zip(blocks, params)):
+        rows[i, : block.shape[0]] = to_probs(block, p)
     return rows
 
 

@@ -102,11 +102,6 @@ class SamplingParams:
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1)
 
-    @property
-    def processing(self) -> tuple:
-        """What ``to_probs`` reads: requests equal in it can be processed as one batch (their seeds may differ)."""
-        return (self.temperature, self.top_k, self.top_p, self.min_p)
-
     def adjusts_logits_after(self, generated: int) -> bool:
         """Whether target_logits changes anything for a request that has generated `generated` tokens."""
         return self.adjusts_logits or generated < self.min_tokens
@@ -235,7 +230,7 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     lands on the first token whose cumulative mass exceeds the threshold.
     """
     rows, vocab = probs.shape
-    if vocab % CDF_BLOCK or probs.numel() < 1 << 18:
+    if vocab % CDF_BLOCK or vocab < 16 * CDF_BLOCK:  # by the vocabulary alone: never by how many rows share a call
         cdf = probs.double().cumsum(-1)  # fp64 so the top of the CDF is not lost to rounding
         threshold = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)  # [R, 1]
         tokens = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
