@@ -164,6 +164,7 @@ def profile_engine(loop: ClosedLoop, seconds: float) -> None:
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(15)
     stats.sort_stats("cumulative").print_stats("_commit_decoding|verify_requests|plan_step|_feed_drafter")
+    stats.print_callees("_commit_decoding|verify_requests|_sampled_rows")  # where the time outside the model goes
 
 
 def main() -> None:
@@ -177,6 +178,7 @@ def main() -> None:
                     help="an async scheduler (default async): steps by kind of decision")
     ap.add_argument("--profile", default=None, metavar="POLICY", help="cProfile this policy's engine")
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (bench serve's)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (bench serve's)")
     ap.add_argument("--out", default=None, metavar="FILE",
                     help="also write the report to FILE, headed by the command line and the date")
     args = ap.parse_args()
@@ -210,7 +212,7 @@ def run(args) -> None:
     policies = (("fixed-7",) if args.confidence else (args.async_decisions,) if args.async_decisions
                 else (args.profile,) if args.profile else tuple(args.policies.split(",")))
     cfg = ServeBenchConfig(drafter=args.drafter, policies=policies, concurrency=(args.concurrency,),
-                           max_new_tokens=64, temperature=args.temperature)
+                           max_new_tokens=64, temperature=args.temperature, top_p=args.top_p)
     loaded, drafter, prompts, params, engines = setup(cfg)
     loops = {n: ClosedLoop(e, prompts, args.concurrency, params, 0.5) for n, e in engines.items()}
     if args.confidence:

@@ -43,3 +43,45 @@ def test_every_loop_follows_every_other_about_equally_often():
     run_loops([FakeLoop(n, again) for n in ("none", "mtp1", "fixed-3", "async")], seconds=400)
     assert again == log  # seeded: the same order every run
 
+
+
+class RecordingEngine:
+    """Takes requests and remembers their parameters; every step finishes them all."""
+
+    class Stats:
+        steps = verify_budget_total = decode_requests_total = 0
+        step_seconds_total = forward_seconds_total = drafter_seconds_total = 0.0
+
+    def __init__(self):
+        self.params, self.live, self.stats = [], [], self.Stats()
+
+    def add_request(self, prompt, params):
+        from types import SimpleNamespace
+
+        req = SimpleNamespace(request_id=str(len(self.params)), finished=False, output=[1], rounds=1, accepted=0)
+        self.params.append(params)
+        self.live.append(req)
+        return req
+
+    def step(self):
+        for r in self.live:
+            r.finished = True
+
+
+def test_each_request_of_a_closed_loop_gets_its_own_seed_and_every_loop_the_same_ones():
+    # One seed for every request would replay the same answer each time the mix comes back to a prompt at T > 0.
+    from dspark.bench.closed_loop import ClosedLoop
+    from dspark.decoding import SamplingParams
+
+    seeds = []
+    for _ in range(2):
+        engine = RecordingEngine()
+        loop = ClosedLoop(engine, [[1, 2], [3]], 2, SamplingParams(temperature=1.0, seed=7), 0.5, limit=6)
+        while loop.live:
+            loop.tick()
+        seeds.append([p.seed for p in engine.params])
+        assert len({p.max_new_tokens for p in engine.params}) > 1  # the length spread still applies
+    assert seeds[0] == seeds[1] == [7, 8, 9, 10, 11, 12]
+    unseeded = RecordingEngine()
+    ClosedLoop(unseeded, [[1]], 2, SamplingParams(temperature=1.0), limit=2)
+    assert [p.seed for p in unseeded.params] == [None, None]

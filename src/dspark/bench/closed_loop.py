@@ -65,6 +65,8 @@ class ClosedLoop:
         if self.spread:
             u = self.lengths.uniform(1 - self.spread, 1 + self.spread)
             params = dataclasses.replace(params, max_new_tokens=max(1, round(params.max_new_tokens * u)))
+        if params.seed is not None:  # request i: seed + i, so a prompt sent again draws a fresh answer at T > 0
+            params = dataclasses.replace(params, seed=params.seed + self.sent)
         req = self.engine.add_request(next(self.feed), params)
         self.sent += 1
         self.arrival[req.request_id] = self.clock
