@@ -1,7 +1,9 @@
-"""What does verifying a sampled step cost? decoding/batch.verify_requests as of session 30 — top-p from the most
-likely 256, then 4,096 tokens of a row; one to_probs over the rows of all requests that process alike; sampling by
-a two-level CDF search — against the session-29 path, restored here: a full sort of every row for top-p, one
-to_probs per request into a zeroed buffer, an fp64 cumsum of every row to sample. On real SmolLM2-135M logits.
+"""What does verifying a sampled step cost? decoding/batch.verify_requests as it is now — top-p from the most
+likely 256, then 4,096 tokens of a row; requests that process alike sharing to_probs calls of about 4 rows;
+sampling by a two-level CDF search — against the session-29 path, restored here: a full sort of every row for
+top-p, one to_probs per request into a zeroed buffer, an fp64 cumsum of every row to sample. On real
+SmolLM2-135M logits. (results/top-p-s31-per-request: the path of commit a4c91bb, one to_probs per request, while
+shared calls gave a row other last bits than its own call; top-p now normalises along each row alone.)
 
     .venv/bin/python scripts/top_p_cost.py [--requests 1,8,32] [--drafts 1,3] [--top-p 1,0.95,0.9] [--out DIR]
 

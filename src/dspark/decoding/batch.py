@@ -21,7 +21,7 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
     masked before its min_tokens; prompts[r]: its prompt, which a repetition penalty also counts.
 
     Greedy requests take the argmax fast path; the rest are processed with their own parameters (the same
-    ones their drafts were processed with) and verified together.
+    ones their drafts were processed with), batched over requests that process alike, and verified together.
     Buffers are only as wide as the longest verified block of the group, not γ + 1: at 32 requests with nothing
     drafted, a [R, γ + 1, V] buffer was zeroed and scanned for every step (~9 % of a step on the dev CPU with a
     49,152-token vocabulary).
@@ -60,15 +60,38 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
     return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
 
 
+CHUNK_ROWS = 4  # rows per to_probs call: a cache's worth of 49,152-wide rows (see _sampled_rows)
+
+
 def _sampled_rows(blocks: list[torch.Tensor], params: list[SamplingParams], width: int) -> torch.Tensor:
     """[G, width + 1, V] each request's target distributions (blocks[i]: its ℓ_i + 1 rows of logits), zero past
-    its own rows. One to_probs per request: over rows of several requests its results differed in the last bits
-    from each request's own (18 of 32 four-row chunks of real logits), so a seeded request's tokens would depend
-    on which requests shared its step — the load test caught a stream that its replay did not repeat."""
+    its own rows. Requests that process alike (seeds may differ) share to_probs calls of about CHUNK_ROWS rows:
+    one call per request pays top-p's per-call work R times, and one call over every row of a step streamed
+    them all through memory, slower at 3 drafts a request (scripts/top_p_cost.py measures the whole path).
+    Exact: to_probs gives a row the same bits whatever shares its call (tests/test_decoding.py), so a seeded
+    request's tokens do not depend on its neighbours."""
     rows = torch.zeros(len(blocks), width + 1, blocks[0].shape[-1])
-    for i, (block, p) in enumerate(zip(blocks, params)):
-        rows[i, : block.shape[0]] = to_probs(block, p)
+    kinds: dict = {}
+    for i, p in enumerate(params):
+        kinds.setdefault(p.processing, []).append(i)
+    for members in kinds.values():
+        for chunk in _chunks(members, [blocks[i].shape[0] for i in members]):
+            probs = to_probs(torch.cat([blocks[i] for i in chunk]), params[chunk[0]])  # [Σ rows, V]
+            for i, part in zip(chunk, probs.split([blocks[i].shape[0] for i in chunk])):
+                rows[i, : part.shape[0]] = part
     return rows
+
+
+def _chunks(members: list[int], sizes: list[int]) -> list[list[int]]:
+    """members in runs of at least CHUNK_ROWS rows (the last run may hold fewer)."""
+    out, chunk, size = [], [], 0
+    for i, n in zip(members, sizes):
+        chunk.append(i)
+        size += n
+        if size >= CHUNK_ROWS:
+            out.append(chunk)
+            chunk, size = [], 0
+    return out + ([chunk] if chunk else [])
 
 
 def _argmax_tokens(logits, group: list[int], width: int,  # logits: indexable by request (list or dict)

@@ -102,6 +102,11 @@ class SamplingParams:
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1)
 
+    @property
+    def processing(self) -> tuple:
+        """What ``to_probs`` reads: requests equal in it can share one call (their seeds may differ)."""
+        return (self.temperature, self.top_k, self.top_p, self.min_p)
+
     def adjusts_logits_after(self, generated: int) -> bool:
         """Whether target_logits changes anything for a request that has generated `generated` tokens."""
         return self.adjusts_logits or generated < self.min_tokens
@@ -188,14 +193,18 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     Only the most likely tokens are ranked: a top-256 costs a fraction of a full sort of a 49,152-token row, and
     with full sorts verifying a step of 32 requests took 137–141 ms (results/top-p-s30). A row whose candidates hold less than
     top_p tries more, then sorts in full; every token outside a row's candidates has at least top_p of mass before
-    it, so it is dropped either way: the rule of a full sort."""
+    it, so it is dropped either way: the rule of a full sort.
+
+    The kept tokens are normalised by their running (cumsum) total, which is computed along each row alone: a
+    sum over a 49,152-token row is split across threads when a call holds fewer rows than threads, so
+    ``kept / kept.sum()`` gave a row other last bits in a one-row call than in a four-row one, and a seeded
+    request's tokens depended on how many rows shared its call (its ℓ, or its neighbours')."""
     vocab = probs.shape[-1]
     if vocab <= TOP_P_CANDIDATES[0]:  # a small vocabulary: one sort, no bookkeeping (tests call this 10^5 times)
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        kept = torch.zeros_like(probs).scatter_(-1, order, _nucleus(sorted_p, top_p)[0])
-        return kept / kept.sum(-1, keepdim=True)
+        return torch.zeros_like(probs).scatter_(-1, order, _nucleus(sorted_p, top_p)[0])
     flat = probs.reshape(-1, vocab)  # [N, V]
-    kept, todo = torch.zeros_like(flat), None  # todo: rows still to decide (None: all)
+    kept, todo = flat.new_zeros(flat.shape), None  # contiguous, so kept.view(-1) below; todo: rows left (None: all)
     for k in (*(c for c in TOP_P_CANDIDATES if c < vocab), vocab):
         rows = flat if todo is None else flat[todo]
         sorted_p, order = rows.topk(k, dim=-1) if k < vocab else rows.sort(dim=-1, descending=True)  # [n, k]
@@ -205,19 +214,20 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
             kept.scatter_(-1, order, kept_sorted)
             break
         index = torch.arange(flat.shape[0]) if todo is None else todo
-        kept[index[done]] = torch.zeros(int(done.sum()), vocab).scatter_(-1, order[done], kept_sorted[done])
+        at = (index[done].unsqueeze(-1) * vocab + order[done]).flatten()  # the decided rows' kept tokens in kept
+        kept.view(-1)[at] = kept_sorted[done].flatten()  # k writes a row, not a zeroed [n, V] copy
         todo = index[~done]
         if not len(todo):
             break
-    kept = kept.reshape(probs.shape)
-    return kept / kept.sum(-1, keepdim=True)
+    return kept.reshape(probs.shape)
 
 
 def _nucleus(sorted_p: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """sorted_p [..., k], most likely first -> (the same with every token whose mass before it reaches top_p zeroed,
-    the k tokens' total mass [...])."""
+    normalised by the kept tokens' running total; the k tokens' total mass [...])."""
     mass = sorted_p.cumsum(-1)
-    return sorted_p.masked_fill(mass - sorted_p >= top_p, 0.0), mass[..., -1]
+    kept = sorted_p.masked_fill(mass - sorted_p >= top_p, 0.0)
+    return kept / kept.cumsum(-1)[..., -1:], mass[..., -1]
 
 
 CDF_BLOCK = 256  # tokens per block of the two-level search in sample_from

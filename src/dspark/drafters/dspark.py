@@ -149,11 +149,11 @@ class DSparkDrafter(BatchFirstDrafter):
 
     @staticmethod
     def _process(logits: torch.Tensor, requests) -> torch.Tensor:
-        """Per-request temperature/min-p/top-k/top-p (invariant 2), batched over requests sharing parameters
-        (requests of different seeds apart: batching changes the last bits, see decoding/batch._sampled_rows)."""
+        """Per-request temperature/min-p/top-k/top-p (invariant 2), batched over requests that process alike
+        (different seeds included: to_probs gives a row the same bits whatever shares its call)."""
         groups: dict = {}
         for i, r in enumerate(requests):
-            groups.setdefault(r.params, []).append(i)
+            groups.setdefault(r.params.processing, []).append(i)
         if len(groups) == 1:
             return to_probs(logits, requests[0].params)
         out = torch.empty_like(logits, dtype=torch.float32)
