@@ -1,15 +1,16 @@
 """What does verifying a sampled step cost? decoding/batch.verify_requests as it is now — top-p from the most
 likely 256, then 4,096 tokens of a row; requests that process alike sharing to_probs calls of about 4 rows;
-sampling by a two-level CDF search — against the session-29 path, restored here: a full sort of every row for
-top-p, one to_probs per request into a zeroed buffer, an fp64 cumsum of every row to sample. On real
-SmolLM2-135M logits. (results/top-p-s31-per-request: the path of commit a4c91bb, one to_probs per request, while
-shared calls gave a row other last bits than its own call; top-p now normalises along each row alone.)
+sampling by a two-level CDF search — against the same path with one to_probs call per request
+(CHUNK_ELEMENTS = 1), and against the session-29 path, restored here: a full sort of every row for top-p, one
+to_probs per request into a zeroed buffer, an fp64 cumsum of every row to sample. On real SmolLM2-135M logits.
+(results/top-p-s31-per-request: commit a4c91bb, one call per request, while a shared call still gave a row other
+last bits than its own; top-p now normalises along each row alone, so both give the same tokens, checked here.)
 
     .venv/bin/python scripts/top_p_cost.py [--requests 1,8,32] [--drafts 1,3] [--top-p 1,0.95,0.9] [--out DIR]
 
 The logits are the target's rows along sampled answers (T = 1) to a few prompts; each request of a step takes
 ℓ + 1 of them. Every request has its own seed (seeded requests, or a server's n choices). Prints the mean time
-per step of each path (median over repeats), checks both verified the same tokens, and writes top_p.json +
+per step of each path (median over repeats), checks all three verified the same tokens, and writes top_p.json +
 top_p.md.
 """
 from __future__ import annotations
@@ -111,10 +112,14 @@ def main() -> None:
             for requests in [int(x) for x in args.requests.split(",")]:
                 inputs = step_inputs(rows, requests, drafts, top_p)
                 calls = max(3, 48 // requests)
-                new, old = [], []
-                for _ in range(args.repeats):  # interleaved, so drift hits both
+                new, alone, old = [], [], []
+                for _ in range(args.repeats):  # interleaved, so drift hits all three
                     t, ours = time_step(inputs, calls)
                     new.append(t)
+                    with mock.patch.object(batch, "CHUNK_ELEMENTS", 1):  # a call per request, else the same path
+                        t, own = time_step(inputs, calls)
+                    alone.append(t)
+                    assert all(torch.equal(getattr(ours, f), getattr(own, f)) for f in ("accepted", "next_token"))
                     with mock.patch.object(sampling, "_top_p", full_sort_top_p), \
                             mock.patch.object(batch, "_sampled_rows", per_request_rows), \
                             mock.patch.object(verify, "sample_from", full_cdf_sample):
@@ -123,14 +128,15 @@ def main() -> None:
                     assert all(torch.equal(getattr(ours, f), getattr(ref, f)) for f in ("accepted", "next_token"))
                 row = {"top_p": top_p, "drafts": drafts, "requests": requests,
                        "ms": round(statistics.median(new) * 1e3, 2),
+                       "per_request_calls_ms": round(statistics.median(alone) * 1e3, 2),
                        "reference_ms": round(statistics.median(old) * 1e3, 2)}
                 row["speedup"] = round(row["reference_ms"] / row["ms"], 1)
                 table.append(row)
                 print(row, flush=True)
-    lines = ["| top-p | drafts per request | requests | verify ms | session-29 path ms | ratio |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['top_p']:g} | {r['drafts']} | {r['requests']} | {r['ms']} | {r['reference_ms']} | {r['speedup']} |"
-              for r in table]
+    lines = ["| top-p | drafts per request | requests | verify ms | one call per request ms | session-29 path ms | "
+             "ratio to session 29 |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['top_p']:g} | {r['drafts']} | {r['requests']} | {r['ms']} | {r['per_request_calls_ms']} | "
+              f"{r['reference_ms']} | {r['speedup']} |" for r in table]
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

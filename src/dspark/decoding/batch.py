@@ -60,14 +60,14 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
     return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
 
 
-CHUNK_ROWS = 4  # rows per to_probs call: a cache's worth of 49,152-wide rows (see _sampled_rows)
+CHUNK_ELEMENTS = 4 * 49_152  # logits per shared to_probs call: a cache's worth (4 rows of SmolLM2's vocabulary)
 
 
 def _sampled_rows(blocks: list[torch.Tensor], params: list[SamplingParams], width: int) -> torch.Tensor:
     """[G, width + 1, V] each request's target distributions (blocks[i]: its ℓ_i + 1 rows of logits), zero past
-    its own rows. Requests that process alike (seeds may differ) share to_probs calls of about CHUNK_ROWS rows:
-    one call per request pays top-p's per-call work R times, and one call over every row of a step streamed
-    them all through memory, slower at 3 drafts a request (scripts/top_p_cost.py measures the whole path).
+    its own rows. Requests that process alike (seeds may differ) share to_probs calls of about CHUNK_ELEMENTS
+    logits: one call per request pays top-p's per-call work R times, and one call over every row of a step
+    streamed them all through memory, slower at 3 drafts a request (scripts/top_p_cost.py measures the path).
     Exact: to_probs gives a row the same bits whatever shares its call (tests/test_decoding.py), so a seeded
     request's tokens do not depend on its neighbours."""
     rows = torch.zeros(len(blocks), width + 1, blocks[0].shape[-1])
@@ -75,20 +75,20 @@ def _sampled_rows(blocks: list[torch.Tensor], params: list[SamplingParams], widt
     for i, p in enumerate(params):
         kinds.setdefault(p.processing, []).append(i)
     for members in kinds.values():
-        for chunk in _chunks(members, [blocks[i].shape[0] for i in members]):
+        for chunk in _chunks(members, [blocks[i].shape[0] for i in members], CHUNK_ELEMENTS // rows.shape[-1]):
             probs = to_probs(torch.cat([blocks[i] for i in chunk]), params[chunk[0]])  # [Σ rows, V]
             for i, part in zip(chunk, probs.split([blocks[i].shape[0] for i in chunk])):
                 rows[i, : part.shape[0]] = part
     return rows
 
 
-def _chunks(members: list[int], sizes: list[int]) -> list[list[int]]:
-    """members in runs of at least CHUNK_ROWS rows (the last run may hold fewer)."""
+def _chunks(members: list[int], sizes: list[int], rows: int) -> list[list[int]]:
+    """members in runs of at least `rows` rows (the last run may hold fewer); sizes: each member's rows."""
     out, chunk, size = [], [], 0
     for i, n in zip(members, sizes):
         chunk.append(i)
         size += n
-        if size >= CHUNK_ROWS:
+        if size >= rows:
             out.append(chunk)
             chunk, size = [], 0
     return out + ([chunk] if chunk else [])

@@ -191,9 +191,9 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (the top token always stays).
 
     Only the most likely tokens are ranked: a top-256 costs a fraction of a full sort of a 49,152-token row, and
-    with full sorts verifying a step of 32 requests took 137–141 ms (results/top-p-s30). A row whose candidates hold less than
-    top_p tries more, then sorts in full; every token outside a row's candidates has at least top_p of mass before
-    it, so it is dropped either way: the rule of a full sort.
+    with full sorts verifying a step of 32 requests took 137–141 ms (results/top-p-s30). A row whose candidates
+    hold less than top_p tries more, then sorts in full; every token outside a row's candidates has at least top_p
+    of mass before it, so it is dropped either way: the rule of a full sort.
 
     The kept tokens are normalised by their running (cumsum) total, which is computed along each row alone: a
     sum over a 49,152-token row is split across threads when a call holds fewer rows than threads, so
