@@ -8,11 +8,14 @@ import torch
 from dspark.cli import main
 from dspark.decoding import SamplingParams
 from dspark.drafters import DrafterError, make_drafter
+from dspark.drafters.base import Drafter, Proposal
 from dspark.engine import Generation, PromptTooLongError, TransformerTarget
+from dspark.engine.engine import Engine, EngineConfig
 from dspark.models import ModelNotFoundError, load_model, resolve
 from dspark.models.config import ModelConfigError
 from dspark.models.gguf_convert import GGUFError, read_gguf
 from dspark.models.weights import WeightsError, read_safetensors
+from dspark.scheduling.registry import make_policy
 from helpers import hf_model, ours_from_hf
 
 
@@ -122,3 +125,48 @@ def test_stale_conversion_cache_is_rebuilt(tmp_path, monkeypatch):
     assert again == first and (again / "model.safetensors").stat().st_size > 100_000_000
     assert read_safetensors(again)["model.norm.weight"].shape == (576,)
     shutil.rmtree(tmp_path / "models")
+
+
+class OracleDrafter(Drafter):
+    """Drafts the target's own greedy continuation, so every draft is accepted — up to the context's end, where
+    it pads with token 0 (a position the target cannot compute)."""
+
+    name = "test-oracle"
+
+    def __init__(self, target, gamma: int):
+        super().__init__(gamma)
+        self.target = target
+
+    def propose(self, requests, depth=None):
+        rows = []
+        for req in requests:
+            tokens = list(req.tokens)
+            for _ in range(self.gamma):
+                if len(tokens) >= self.target.max_position:
+                    tokens.append(0)
+                    continue
+                logits = self.target.forward(self.target.new_state(), 0, tokens)
+                tokens.append(int(logits[-1].argmax()))
+            rows.append(tokens[len(req.tokens):])
+        return Proposal(tokens=torch.tensor(rows), num_tokens=torch.full((len(rows),), self.gamma))
+
+
+
+@pytest.mark.parametrize("prompt_len", [240, 249, 250, 254, 255])
+def test_a_fully_accepted_last_round_stays_inside_the_context(prompt_len):
+    """Every draft accepted up to the context's end: prompt + output is exactly the context (256), never one token
+    more, and the output is plain greedy decoding's."""
+    target = TransformerTarget(ours_from_hf(hf_model("llama")))
+    prompt, params = ([1, 2, 3] * 90)[:prompt_len], SamplingParams(temperature=0, max_new_tokens=100)
+    gen = Generation(target, OracleDrafter(target, gamma=4), prompt, params)
+    out = [t for chunk in gen for t in chunk]
+    plain = [t for chunk in Generation(target, None, prompt, params) for t in chunk]
+    assert len(prompt) + len(out) == 256 and gen.stats.finish_reason == "length"
+    assert out == plain and gen.stats.accepted == gen.stats.drafted
+    assert gen.stats.drafted > 0 or prompt_len >= 254  # 254: the first token and one more fill the context
+    engine = Engine(target.model, None, OracleDrafter(target, gamma=4), make_policy("fixed-4"), (),
+                    EngineConfig(gamma=4, max_running=2))
+    req = engine.add_request(prompt, params)
+    while not req.finished:
+        engine.step()
+    assert req.output == plain  # the engine's room rule, the same

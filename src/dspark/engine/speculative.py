@@ -146,7 +146,10 @@ class Generation:
 
     def _round(self, state, request: DraftRequest) -> list[int]:
         start = len(request.tokens) - 1  # the anchor's position: everything before it is cached
-        budget = min(self.params.max_new_tokens - self.stats.new_tokens, self.target.max_position - start) - 1
+        # A round adds its n accepted drafts and one more token: n + 1 ≤ both the tokens left to generate and the
+        # positions left in the context (the engine's room, engine/step_plan.py).
+        left = self.target.max_position - len(request.tokens)
+        budget = min(self.params.max_new_tokens - self.stats.new_tokens, left) - 1
         drafts, probs, n = torch.zeros(1, 0, dtype=torch.long), None, 0
         t0 = time.perf_counter()
         if self.drafter is not None and budget > 0:
