@@ -2,7 +2,8 @@
 likely 256, then 4,096 tokens of a row; requests that process alike sharing to_probs calls of about 4 rows;
 sampling by a two-level CDF search — against the same path with one to_probs call per request
 (CHUNK_ELEMENTS = 1), and against the session-29 path, restored here: a full sort of every row for top-p, one
-to_probs per request into a zeroed buffer, an fp64 cumsum of every row to sample. On real SmolLM2-135M logits.
+to_probs per request into a zeroed buffer, an fp64 cumsum of every row to sample (verify() itself and verify_requests' indexing are
+today's in all three paths). On real SmolLM2-135M logits.
 (results/top-p-s31-per-request: commit a4c91bb, one call per request, while a shared call still gave a row other
 last bits than its own; top-p now normalises along each row alone, so both give the same tokens, checked here.)
 

@@ -43,7 +43,8 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
     for group, is_greedy in ((greedy, True), (sampled, False)):
         if not group:
             continue
-        idx = torch.tensor(group)
+        # every request of the batch in order (the usual case): a slice, so draft_probs [R, γ, V] is not copied
+        idx = slice(None) if len(group) == R else torch.tensor(group)
         width = int(num_draft[idx].max())  # drafts any request of the group verifies; slots beyond are unused
         draft, stops = drafts[idx, :width], stop_mask[idx, :width]
         if is_greedy:
@@ -70,7 +71,9 @@ def _sampled_rows(blocks: list[torch.Tensor], params: list[SamplingParams], widt
     streamed them all through memory, slower at 3 drafts a request (scripts/top_p_cost.py measures the path).
     Exact: to_probs gives a row the same bits whatever shares its call (tests/test_decoding.py), so a seeded
     request's tokens do not depend on its neighbours."""
-    rows = torch.zeros(len(blocks), width + 1, blocks[0].shape[-1])
+    rows = torch.empty(len(blocks), width + 1, blocks[0].shape[-1])
+    for i, block in enumerate(blocks):  # zero only the slots past a request's own rows (none when ℓ = width)
+        rows[i, block.shape[0]:] = 0
     kinds: dict = {}
     for i, p in enumerate(params):
         kinds.setdefault(p.processing, []).append(i)

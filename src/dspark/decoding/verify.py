@@ -80,17 +80,16 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
     accepted = torch.where(stopped, _leading_false(stop_hit) + 1, accepted)
 
     rows = torch.arange(R)
-    p_next = target_probs[rows, accepted]  # [R, V]: residual base (rejected) or bonus distribution
-    rejected = accepted < num_draft
-    if rejected.any():
-        idx = accepted.clamp(max=gamma - 1)
-        q_next = (_point_mass(draft_tokens[rows, idx], vocab) if draft_probs is None
-                  else draft_probs[rows, idx])
-        residual = (p_next - q_next).clamp_(min=0)
+    p_next = target_probs[rows, accepted]  # [R, V] (a copy): residual base (rejected) or bonus distribution
+    rej = (accepted < num_draft).nonzero().squeeze(-1)  # [J] the rows that rejected a draft
+    if len(rej):
+        at = accepted[rej]  # the rejected slot of each
+        q_next = (_point_mass(draft_tokens[rej, at], vocab) if draft_probs is None
+                  else draft_probs[rej, at])  # [J, V]
+        residual = (p_next[rej] - q_next).clamp_(min=0)
         # p == q leaves no residual mass; rejection then had probability 0, so fall back to p harmlessly.
-        empty = residual.sum(-1, keepdim=True) <= 0
-        residual = torch.where(empty, p_next, residual)
-        p_next = torch.where(rejected.unsqueeze(-1), residual, p_next)
+        empty = residual.amax(-1) <= 0  # [J]
+        p_next[rej] = torch.where(empty.unsqueeze(-1), p_next[rej], residual)
     # Slot ℓ_r is never used by an acceptance test. Reusing the rejecting slot's uniform would be a bug:
     # a rejection means that uniform was large, which would skew the replacement toward late CDF tokens.
     u_next = uniforms[rows, num_draft]
