@@ -187,42 +187,41 @@ def test_two_level_sampling_equals_the_full_cdf():
     assert bool((probs[32, many] > 0).all())
 
 
+@pytest.fixture
+def two_threads():
+    """A sum over a row of the real vocabulary's width is split across threads when a call holds fewer rows than
+    threads: with two, that shows on any machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.7),
                                     SamplingParams(temperature=1.3, top_k=50, top_p=0.95, min_p=0.01)],
                          ids=["top-p", "temperature", "all"])
-def test_each_row_is_processed_alike_whatever_shares_its_call(params):
+def test_each_row_is_processed_alike_whatever_shares_its_call(params, two_threads):
     """to_probs gives a row the same bits in a call of one row as in a call of many: a seeded request's tokens must
-    not depend on how many rows its call held (its ℓ, or the requests batched with it). A sum over a row of the
-    real vocabulary's width is split across threads when a call holds fewer rows than threads, which is what broke
-    this for top-p's normalisation; two threads show it on any machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        g = torch.Generator().manual_seed(0)
-        logits = torch.randn(12, 49_152, generator=g) * torch.tensor([0.5, 2.0, 6.0]).repeat(4).unsqueeze(-1)
-        together = to_probs(logits, params)
-        for i in range(len(logits)):
-            assert torch.equal(to_probs(logits[i:i + 1], params)[0], together[i]), i
-        assert torch.equal(to_probs(logits.view(3, 4, -1), params).view(12, -1), together)
-    finally:
-        torch.set_num_threads(threads)
+    not depend on how many rows its call held (its ℓ, or the requests batched with it). The split sum of
+    two_threads is what broke this for top-p's normalisation."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 49_152, generator=g) * torch.tensor([0.5, 2.0, 6.0]).repeat(4).unsqueeze(-1)
+    together = to_probs(logits, params)
+    for i in range(len(logits)):
+        assert torch.equal(to_probs(logits[i:i + 1], params)[0], together[i]), i
+    assert torch.equal(to_probs(logits.view(3, 4, -1), params).view(12, -1), together)
 
 
-def test_shared_to_probs_calls_give_each_request_its_own_bits():
+def test_shared_to_probs_calls_give_each_request_its_own_bits(two_threads):
     """Verification processes the rows of requests that process alike in shared calls (seeds and ℓ differing):
     every request's target distributions must be bit for bit those of its own call."""
     from dspark.decoding.batch import _sampled_rows
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        g = torch.Generator().manual_seed(1)
-        lengths = [0, 3, 1, 0, 2, 0, 0, 1]
-        blocks = [torch.randn(n + 1, 49_152, generator=g) * (0.5 + r % 3 * 2) for r, n in enumerate(lengths)]
-        params = [SamplingParams(temperature=1.0, top_p=0.9 if r % 4 else 1.0, seed=r) for r in range(8)]
-        rows = _sampled_rows(blocks, params, max(lengths))
-        for r, (block, p) in enumerate(zip(blocks, params)):
-            assert torch.equal(rows[r, : len(block)], to_probs(block, p)), r
-            assert not rows[r, len(block):].any()
-    finally:
-        torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(1)
+    lengths = [0, 3, 1, 0, 2, 0, 0, 1]
+    blocks = [torch.randn(n + 1, 49_152, generator=g) * (0.5 + r % 3 * 2) for r, n in enumerate(lengths)]
+    params = [SamplingParams(temperature=1.0, top_p=0.9 if r % 4 else 1.0, seed=r) for r in range(8)]
+    rows = _sampled_rows(blocks, params, max(lengths))
+    for r, (block, p) in enumerate(zip(blocks, params)):
+        assert torch.equal(rows[r, : len(block)], to_probs(block, p)), r
+        assert not rows[r, len(block):].any()

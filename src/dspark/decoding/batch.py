@@ -72,16 +72,18 @@ def _sampled_rows(blocks: list[torch.Tensor], params: list[SamplingParams], widt
     Exact: to_probs gives a row the same bits whatever shares its call (tests/test_decoding.py), so a seeded
     request's tokens do not depend on its neighbours."""
     rows = torch.empty(len(blocks), width + 1, blocks[0].shape[-1])
-    for i, block in enumerate(blocks):  # zero only the slots past a request's own rows (none when ℓ = width)
-        rows[i, block.shape[0]:] = 0
+    sizes = [block.shape[0] for block in blocks]
+    for i, n in enumerate(sizes):  # zero only the slots past a request's own rows (none when ℓ = width)
+        if n <= width:
+            rows[i, n:] = 0
     kinds: dict = {}
     for i, p in enumerate(params):
         kinds.setdefault(p.processing, []).append(i)
     for members in kinds.values():
-        for chunk in _chunks(members, [blocks[i].shape[0] for i in members], CHUNK_ELEMENTS // rows.shape[-1]):
+        for chunk in _chunks(members, [sizes[i] for i in members], CHUNK_ELEMENTS // rows.shape[-1]):
             probs = to_probs(torch.cat([blocks[i] for i in chunk]), params[chunk[0]])  # [Σ rows, V]
-            for i, part in zip(chunk, probs.split([blocks[i].shape[0] for i in chunk])):
-                rows[i, : part.shape[0]] = part
+            for i, part in zip(chunk, probs.split([sizes[i] for i in chunk])):
+                rows[i, : sizes[i]] = part
     return rows
 
 

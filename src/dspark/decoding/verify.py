@@ -86,10 +86,11 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
         at = accepted[rej]  # the rejected slot of each
         q_next = (_point_mass(draft_tokens[rej, at], vocab) if draft_probs is None
                   else draft_probs[rej, at])  # [J, V]
-        residual = (p_next[rej] - q_next).clamp_(min=0)
+        base = p_next[rej]  # [J, V]
+        residual = (base - q_next).clamp_(min=0)
         # p == q leaves no residual mass; rejection then had probability 0, so fall back to p harmlessly.
         empty = residual.amax(-1) <= 0  # [J]
-        p_next[rej] = torch.where(empty.unsqueeze(-1), p_next[rej], residual)
+        p_next[rej] = torch.where(empty.unsqueeze(-1), base, residual)
     # Slot ℓ_r is never used by an acceptance test. Reusing the rejecting slot's uniform would be a bug:
     # a rejection means that uniform was large, which would skew the replacement toward late CDF tokens.
     u_next = uniforms[rows, num_draft]
