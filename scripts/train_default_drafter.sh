@@ -1,70 +1,108 @@
 #!/usr/bin/env bash
-# The recipe of the shipped SmolLM2 drafters, sized for one GPU in about ten minutes (DESIGN.md §3):
-#   1. regenerate answers to the training prompts with the target (transformers backend, padded batches),
-#   2. train DSpark (the shipped drafter) and the DFlash and Eagle3 baselines side by side, same data and budget,
-#   3. export both (bf16) and pack the results into $RESULTS.
+# The recipe of the shipped SmolLM2 drafter on one GPU, in one time box (DESIGN.md §3):
+#   1. regenerate answers to the training prompts with the target (transformers backend, padded batches; one
+#      process per prompt file, in parallel),
+#   2. train the DRAFTERS (default: DSpark, the shipped one, and DFlash, its baseline) side by side on the same
+#      data; each schedule is fitted to the time left (run.fit_steps_to_time), so its cosine ends in the box,
+#   3. export them (bf16) and pack the results into $RESULTS in priority order (DSpark and the logs, the data,
+#      then the rest), within what may travel back from a lent machine.
 # Every stage is time-boxed and resumable, so a cut-off run still returns what it finished.
 #
-#   GGUF=path/to/SmolLM2-135M-Instruct.Q4_1.gguf PROMPTS="a.jsonl b.jsonl" DEVICE=cuda scripts/train_default_drafter.sh
-# On a CPU, for a dry run: DEVICE=cpu LIMIT=8 MAX_NEW=16 STEPS=2 BATCH_SEQS=2 scripts/train_default_drafter.sh
+#   GGUF=path/to/SmolLM2-135M-Instruct.Q4_1.gguf PROMPTS="a.jsonl b.jsonl" DEVICE=cuda TOTAL_S=480 \
+#     scripts/train_default_drafter.sh
+# On a CPU, for a dry run: DEVICE=cpu LIMIT=8 MAX_NEW=16 BATCH_SEQS=2 TOTAL_S=240 scripts/train_default_drafter.sh
 set -uo pipefail
-GGUF=${GGUF:?set GGUF to the SmolLM2-135M-Instruct GGUF file}
-PROMPTS=${PROMPTS:?set PROMPTS to one or more prompt .jsonl files}
+GGUF=${GGUF:?set GGUF to the SmolLM2-135M-Instruct GGUF file (or a model directory)}
+PROMPTS=${PROMPTS:?set PROMPTS to one or more prompt .jsonl files (one datagen process each)}
 WORK=${WORK:-runs/default-drafter}
 RESULTS=${RESULTS:-$WORK/results}
 DEVICE=${DEVICE:-cuda}
 PY=${PYTHON:-python3}
-LIMIT=${LIMIT:-0}            # prompts per file (0 = all)
-GEN_BATCH=${GEN_BATCH:-1024} # conversations per generate call
+TOTAL_S=${TOTAL_S:-480}         # the whole run, packing included
+DATAGEN_SHARE=${DATAGEN_SHARE:-0.38}  # of TOTAL_S for answer regeneration; training gets the rest
+LIMIT=${LIMIT:-0}               # prompts per file (0 = all)
+GEN_BATCH=${GEN_BATCH:-1024}    # conversations per chunk
+GEN_TOKENS=${GEN_TOKENS:-700000} # rows x (prompt + MAX_NEW) per generate call: bounds the padded KV cache
 MAX_NEW=${MAX_NEW:-512}
-DATAGEN_S=${DATAGEN_S:-200}  # time box of answer regeneration
-TRAIN_S=${TRAIN_S:-240}      # time box of each training run
-STEPS=${STEPS:-1500}
+STEPS=${STEPS:-20000}           # an upper bound: the fitted schedule decides
 BATCH_SEQS=${BATCH_SEQS:-32}
 THREADS=${THREADS:-4}
+DRAFTERS=${DRAFTERS:-"dspark dflash"}
+RETURN_MB=${RETURN_MB:-60}      # what may come back (a lent machine returns 64 MiB in at most 8 files)
 mkdir -p "$WORK" "$RESULTS"
-log() { echo "[$(date +%T)] $*"; }
+start=$SECONDS
+log() { echo "[$(date +%T) +$((SECONDS - start))s] $*"; }
+left() { echo $((TOTAL_S - (SECONDS - start))); }
 
-log "environment"; nvidia-smi -L 2>/dev/null; $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
+log "environment"; nvidia-smi -L 2>/dev/null
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
 
 log "convert the target"
 $PY -c "from dspark.models import load_model; m = load_model('$GGUF'); print(m.hf_dir, m.config.num_layers)" || exit 1
 
+datagen_s=$(awk "BEGIN {print int($TOTAL_S * $DATAGEN_SHARE)}")
+box=$((datagen_s - (SECONDS - start)))
+log "datagen: $(echo $PROMPTS | wc -w) processes, $box s"
 n=0
-deadline=$((SECONDS + DATAGEN_S))  # one time box for all prompt files, taken in order
-for p in $PROMPTS; do
-  n=$((n + 1)); left=$((deadline - SECONDS))
-  [ "$left" -gt 5 ] || break
-  log "datagen $p ($left s left)"
-  # timeout keeps every finished chunk: datagen resumes without duplicates.
-  timeout "$left" $PY -m dspark.training datagen --backend transformers --device "$DEVICE" --model "$GGUF" \
-    --prompts "$p" --out "$WORK/data-$n" --limit "$LIMIT" --batch-size "$GEN_BATCH" --max-new-tokens "$MAX_NEW" \
-    --temperature 0.7 --seed "$n" --no-progress
-  log "datagen exit $? ; $(wc -l < "$WORK/data-$n/data.jsonl") conversations"
+for p in $PROMPTS; do  # timeout keeps every finished conversation: datagen resumes without duplicates
+  n=$((n + 1))
+  timeout "$box" $PY -m dspark.training datagen --backend transformers --device "$DEVICE" --model "$GGUF" \
+    --prompts "$p" --out "$WORK/data-$n" --limit "$LIMIT" --batch-size "$GEN_BATCH" --batch-tokens "$GEN_TOKENS" \
+    --max-new-tokens "$MAX_NEW" --temperature 0.7 --seed "$n" --no-progress > "$WORK/datagen-$n.log" 2>&1 &
 done
+wait
+for d in "$WORK"/data-*; do log "$d: $(wc -l < "$d/data.jsonl") conversations"; tail -n 2 "${d/data-/datagen-}.log"; done
 cat "$WORK"/data-*/data.jsonl > "$WORK/train.jsonl"
 
-train() {  # name, config, extra --set arguments...
-  local name=$1 config=$2; shift 2
-  $PY -m dspark.training train --config "$config" --no-progress \
+train() {  # name, extra --set arguments...
+  local name=$1; shift
+  $PY -m dspark.training train --config configs/smollm2-dspark.toml --no-progress \
     --set target.name="$GGUF" --set target.device="$DEVICE" --set data.dataset="$WORK/train.jsonl" --set data.cache= \
-    --set run.out_dir="$WORK/$name" --set run.max_time_s="$TRAIN_S" --set run.threads="$THREADS" \
-    --set optim.max_steps="$STEPS" --set optim.batch_seqs="$BATCH_SEQS" --set optim.loss_chunk_blocks=256 \
-    --set run.log_every=10 --set run.ckpt_every=100000 --set run.export_on_stop=true "$@" \
-    > "$WORK/$name.log" 2>&1
+    --set run.out_dir="$WORK/$name" --set run.max_time_s="$train_s" --set run.fit_steps_to_time=true \
+    --set run.threads="$THREADS" --set optim.max_steps="$STEPS" --set optim.batch_seqs="$BATCH_SEQS" \
+    --set optim.loss_chunk_blocks=256 --set run.log_every=10 --set run.ckpt_every=100000 \
+    --set run.export_on_stop=true "$@" > "$WORK/$name.log" 2>&1
   log "train $name exit $?"
 }
-log "train"
-train dspark configs/smollm2-dspark.toml --set drafter.num_layers=2 &
-train dflash configs/smollm2-dspark.toml --set drafter.type=dflash --set drafter.num_layers=2 &
-train eagle3 configs/smollm2-dspark.toml --set drafter.type=eagle3 &
+train_s=$(( $(left) - 75 ))  # loading and tokenizing before the clock starts, export and packing after it
+log "train $DRAFTERS: $train_s s each"
+for name in $DRAFTERS; do
+  case $name in
+    dspark) train dspark --set drafter.num_layers=2 & ;;
+    dflash) train dflash --set drafter.type=dflash --set drafter.num_layers=2 & ;;
+    eagle3) train eagle3 --set drafter.type=eagle3 & ;;
+  esac
+done
 wait
 
 log "pack"
-for name in dspark dflash eagle3; do tail -n 3 "$WORK/$name.log"; done
-xz -T0 -6 -c "$WORK/train.jsonl" > "$WORK/data.jsonl.xz"
-# One bundle, in pieces of at most 15 MB (what may travel back from a lent machine).
-(cd "$WORK" && tar -cf - {dspark,dflash,eagle3}/drafter {dspark,dflash,eagle3}/train_log.csv {dspark,dflash,eagle3}.log \
-  data-*/meta.json data.jsonl.xz) | split -b 15M - "$RESULTS/bundle.part-"
+for name in $DRAFTERS; do tail -n 3 "$WORK/$name.log"; done
+$PY - "$WORK" "$RESULTS" "$RETURN_MB" $DRAFTERS <<'EOF'
+import glob, io, lzma, os, sys, tarfile
+work, results, budget, names = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 2**20, sys.argv[4:]
+with open(f"{work}/train.jsonl", "rb") as f, lzma.open(f"{work}/data.jsonl.xz", "wb", preset=6) as out:
+    out.write(f.read())
+logs = [p for n in names for p in (f"{n}.log", f"{n}/train_log.csv")] + sorted(
+    os.path.relpath(p, work) for p in glob.glob(f"{work}/data-*/meta.json") + glob.glob(f"{work}/datagen-*.log"))
+pieces = [("logs", logs), ("data", ["data.jsonl.xz"])] + [(n, [f"{n}/drafter"]) for n in names]
+pieces.insert(1, pieces.pop(2))  # the first drafter (the shipped one) right after the logs
+used, files = 0, 0
+for name, paths in pieces:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for p in paths:
+            if os.path.exists(f"{work}/{p}"):
+                tar.add(f"{work}/{p}", arcname=p)
+    data = buf.getvalue()
+    parts = [data[i: i + 15 * 2**20] for i in range(0, len(data), 15 * 2**20)]
+    if used + len(data) > budget or files + len(parts) > 7:  # the 8th file that comes back: run.log
+        print(f"pack: {name} ({len(data) / 2**20:.1f} MiB) left behind: no room", flush=True)
+        continue
+    for i, part in enumerate(parts):
+        with open(f"{results}/{name}.tar.part-{i}", "wb") as f:
+            f.write(part)
+    used, files = used + len(data), files + len(parts)
+    print(f"pack: {name} {len(data) / 2**20:.1f} MiB in {len(parts)} file(s)", flush=True)
+EOF
 ls -la "$RESULTS"
 log "done"

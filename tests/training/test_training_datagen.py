@@ -106,3 +106,38 @@ def test_openai_compatible_endpoint(tmp_path):
     second = next(b for b in FakeServer.seen if len(b["messages"]) == 3)
     assert second["messages"][1]["content"] == "answer 1"  # the regenerated answer is replayed
     assert second["model"] == "m" and second["temperature"] == 0.5 and second["max_tokens"] == 7
+
+
+def test_token_groups_bound_each_generate_call():
+    from dspark.training.datagen_hf import token_groups
+
+    class C:
+        def __init__(self, n):
+            self.ids = [0] * n
+
+    convs = [C(n) for n in (5, 30, 8, 12, 9, 40)]
+    groups = token_groups(convs, batch_tokens=60, max_new=10)
+    assert sorted(len(c.ids) for g in groups for c in g) == [5, 8, 9, 12, 30, 40]
+    assert all(len(g) * (max(len(c.ids) for c in g) + 10) <= 60 or len(g) == 1 for g in groups)
+    assert [len(g) for g in groups] == [3, 1, 1, 1] and token_groups(convs, 0, 10) == [convs]
+
+
+def _answers(out):
+    return {r["id"]: [m["content"] for m in r["messages"]] for r in lines(out / "data.jsonl")}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_transformers_backend_gives_the_runtime_greedy_answers(tmp_path, loaded, device):
+    """The GPU backend (padded `generate` batches, left padding, multi-turn replay) writes the same greedy
+    conversations as our runtime, whatever the chunking."""
+    prompts, greedy = write_prompts(tmp_path / "p.jsonl", 7), DatagenSettings(max_new_tokens=12, temperature=0.0)
+    run_datagen(prompts, tmp_path / "runtime", greedy, loaded=loaded, progress=False)
+    for name, cap in (("hf", 0), ("hf-capped", 70)):  # batch_tokens=70: a turn's calls hold 1-2 rows
+        chunked = DatagenSettings(max_new_tokens=12, temperature=0.0, batch_size=3, batch_tokens=cap)
+        summary = run_datagen(prompts, tmp_path / name, chunked, loaded=loaded, progress=False,
+                              backend="transformers", device=device)
+        assert summary["records"] == 7
+        assert _answers(tmp_path / name) == _answers(tmp_path / "runtime")
+    meta = json.loads((tmp_path / "hf" / "meta.json").read_text())
+    assert meta["backend"] == "transformers"

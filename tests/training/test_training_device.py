@@ -37,18 +37,24 @@ def test_ragged_forward_on_gpu_matches_cpu(env):
 
 
 @cuda
-def test_training_steps_on_gpu_match_cpu(env, tmp_path):
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+def test_training_steps_on_gpu_match_cpu(env, tmp_path, kind):
     root, target, data = env
 
     def run(device):
         cfg = config_from_dict({
             "target": {"name": str(target), "device": device},
-            "drafter": {"layer_ids": [0, 1, 2], "num_layers": 2, "block_size": 4, "rank": 8},
+            "drafter": {"type": kind, "layer_ids": [0, 1, 2], "num_layers": 1 if kind == "eagle3" else 2, "block_size": 4, "rank": 8,
+                        "draft_vocab": 64},
             "data": {"dataset": str(data), "anchors_per_seq": 6, "max_seq_len": 64, "feature_dtype": "float32"},
             "optim": {"batch_seqs": 4, "max_steps": 3, "warmup_steps": 1, "lr": 1e-3, "head_dtype": "float32"},
             "run": {"out_dir": str(tmp_path / device), "progress": False, "resume": False}})
         trainer = Trainer(cfg)
-        return [trainer.train_step()["loss"] for _ in range(3)], trainer.export()
+        losses = [trainer.train_step()["loss"] for _ in range(2)]
+        trainer.save()  # checkpoint (optimizer state on the device) and an exact resume from it
+        resumed = Trainer(config_from_dict({**cfg.to_dict(), "run": {**cfg.to_dict()["run"], "resume": True}}))
+        assert resumed.step == 2
+        return losses + [resumed.train_step()["loss"]], resumed.export()
 
     cpu_losses, _ = run("cpu")
     gpu_losses, exported = run("cuda")

@@ -119,6 +119,36 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(env, tmp_path, monkeyp
     assert Trainer(config_from_dict(raw_config(env, tmp_path / "r")), loaded=loaded).step == 1
 
 
+class TickClock:
+    """perf_counter for the trainer: every reading is one second after the last."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 1.0
+        return self.now
+
+
+def test_fit_steps_to_time_ends_the_schedule_inside_the_time_box(env, tmp_path, monkeypatch):
+    from dspark.training import trainer as trainer_module
+
+    raw = raw_config(env, tmp_path / "r", max_steps=1000, warmup_steps=12, min_lr_ratio=0.1)
+    raw["run"].update(max_time_s=200.0, fit_steps_to_time=True, export_on_stop=True, ckpt_every=5)
+    monkeypatch.setattr(trainer_module, "time", TickClock())
+    loaded = load_model(str(env[1]))
+    trainer = Trainer(config_from_dict(raw), loaded=loaded)
+    result = trainer.run()
+    # A loop iteration reads the clock 3 times (4 with a checkpoint's), so some 55-60 steps fit 200 s.
+    assert 40 < trainer.max_steps < 70 and result["step"] == trainer.max_steps  # finished, not cut off
+    assert trainer.lr_at(trainer.max_steps - 1) == pytest.approx(3e-3 * 0.1, rel=0.02)  # the cosine ran out
+    training = json.loads((tmp_path / "r" / "drafter" / "config.json").read_text())["training"]
+    assert training["fit"] == {"from": 1000, "to": trainer.max_steps}
+    assert Trainer(config_from_dict(raw), loaded=loaded).max_steps == trainer.max_steps  # kept on resume
+    raw["optim"]["max_steps"] = 2000  # a new schedule (a warm restart) is not capped by the old fit
+    assert Trainer(config_from_dict(raw), loaded=loaded).max_steps == 2000
+
+
 def test_training_never_imports_the_engine_or_the_server():
     code = ("import sys, dspark.training.cli, dspark.training.trainer, dspark.training.datagen, "
             "dspark.training.datagen_local, dspark.training.datagen_endpoint, dspark.training.target_cache; "

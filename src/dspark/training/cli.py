@@ -28,7 +28,8 @@ def cmd_datagen(args) -> int:
 
     settings = DatagenSettings(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=args.batch_size,
-                               concurrency=args.concurrency, max_context=args.max_context)
+                               batch_tokens=args.batch_tokens, concurrency=args.concurrency,
+                               max_context=args.max_context)
     summary = run_datagen(args.prompts, args.out, settings, model=args.model, endpoint=args.endpoint,
                           api_model=args.api_model, limit=args.limit, skip_bad=args.skip_bad,
                           progress=not args.no_progress, backend=args.backend, device=args.device)
@@ -130,6 +131,8 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=512, help="per assistant turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=16, help="conversations per forward")
+    p.add_argument("--batch-tokens", type=int, default=0,
+                   help="transformers backend: at most rows x (prompt + max new tokens) per generate call")
     p.add_argument("--backend", default="runtime", choices=["runtime", "transformers"],
                    help="runtime: our ragged runtime (CPU); transformers: padded batched generate (for a GPU)")
     p.add_argument("--device", default="auto", help="device of the transformers backend (default: %(default)s)")

@@ -87,6 +87,9 @@ class RunSection:
     progress: bool = True
     max_time_s: float = 0.0  # stop (with a checkpoint) after this long; 0 = no limit
     export_on_stop: bool = False  # also export the drafter when max_time_s ends the run early
+    # With max_time_s: after a few timed steps, shorten optim.max_steps to what fits the time left, so the
+    # cosine schedule ends with the time box instead of being cut off at a high learning rate.
+    fit_steps_to_time: bool = False
     export_dtype: str = "float32"  # precision of the exported drafter weights
     resume: bool = True
 

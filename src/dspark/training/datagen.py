@@ -35,6 +35,7 @@ class DatagenSettings:
     max_new_tokens: int = 512
     seed: int = 0
     batch_size: int = 16  # concurrent conversations in our runtime's ragged forward
+    batch_tokens: int = 0  # transformers backend: cap on rows x (prompt + max_new_tokens) per generate call
     concurrency: int = 8  # parallel HTTP requests with --endpoint
     max_context: int = 0  # 0 = the model's context window
 

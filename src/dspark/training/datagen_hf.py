@@ -15,6 +15,8 @@ import torch
 
 from .conversations import PromptRecord, prompt_ids
 
+WINDOW_CHUNKS = 4
+
 
 def load_hf_model(loaded, device: torch.device):
     from transformers import AutoModelForCausalLM
@@ -30,8 +32,11 @@ def generate_transformers(loaded, records: list[PromptRecord], settings, emit: C
     dev = resolve_device(device)
     model, tok = load_hf_model(loaded, dev), loaded.tokenizer
     max_context = min(settings.max_context or loaded.model.config.max_position, loaded.model.config.max_position)
-    # Similar prompt lengths share a chunk: less padding, and chunks finish at similar times.
-    order = sorted(records, key=lambda r: len(r.turns[0]))
+    # Similar prompt lengths share a chunk (less padding, and its rows finish at similar times), sorted within
+    # windows of a few chunks in file order, so a run cut short by a time box has not kept only short prompts.
+    window = WINDOW_CHUNKS * settings.batch_size
+    order = [r for w in range(0, len(records), window)
+             for r in sorted(records[w: w + window], key=lambda r: len(r.turns[0]))]
     for c, start in enumerate(range(0, len(order), settings.batch_size)):
         torch.manual_seed(settings.seed * 1_000_003 + c)  # reproducible per (seed, chunk) on one device
         convs = [_Conv(r) for r in order[start: start + settings.batch_size]]
@@ -42,8 +47,25 @@ def generate_transformers(loaded, records: list[PromptRecord], settings, emit: C
                     emit(cv.record_out())
             if not live:
                 break
-            _generate_turn(model, tok, live, settings, loaded.eos_ids, dev)
+            for group in token_groups(live, settings.batch_tokens, settings.max_new_tokens):
+                _generate_turn(model, tok, group, settings, loaded.eos_ids, dev)
             convs = live
+
+
+def token_groups(convs: list["_Conv"], batch_tokens: int, max_new: int) -> list[list["_Conv"]]:
+    """Split one turn's conversations so rows x (longest prompt + max_new) stays within batch_tokens: the
+    padded KV cache of a generate call, which a chunk of long (or replayed multi-turn) prompts would blow up."""
+    if batch_tokens <= 0:
+        return [convs]
+    groups: list[list[_Conv]] = [[]]
+    width = 0
+    for c in sorted(convs, key=lambda c: len(c.ids)):
+        width = max(width, len(c.ids))
+        if groups[-1] and (len(groups[-1]) + 1) * (width + max_new) > batch_tokens:
+            groups.append([])
+            width = len(c.ids)
+        groups[-1].append(c)
+    return groups
 
 
 class _Conv:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from .config import TrainConfig
 from .losses import STAT_KEYS, backward, slot_weights, tau_estimate
 from .packing import load_batch, plan_batch
 from .train_log import CsvLog, progress_bar
+
+FIT_AFTER_STEPS = 10  # timed steps before fit_steps_to_time decides
 
 
 def init_distributed() -> tuple[int, int]:
@@ -116,6 +119,7 @@ class Trainer:
                              f"({o.batch_seqs})")
         self.out = Path(cfg.run.out_dir)
         self.step, self.totals = 0, {"context_tokens": 0, "slots": 0, "seconds": 0.0}
+        self.max_steps = o.max_steps  # fit_steps_to_time may shorten it once; checkpoints keep the fitted value
         if cfg.run.resume:
             self._resume()
 
@@ -137,7 +141,7 @@ class Trainer:
         o = self.cfg.optim
         if step < o.warmup_steps:
             return o.lr * (step + 1) / o.warmup_steps
-        progress = min(1.0, (step - o.warmup_steps) / max(1, o.max_steps - o.warmup_steps))
+        progress = min(1.0, (step - o.warmup_steps) / max(1, self.max_steps - o.warmup_steps))
         return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     def step_sequences(self, step: int) -> tuple[int, list[int]]:
@@ -220,6 +224,9 @@ class Trainer:
         if state["config"]["drafter"] != self.cfg.to_dict()["drafter"]:
             raise ValueError(f"{path} was trained with another [drafter] section; use a new run.out_dir")
         self.step, self.totals = state["step"], dict(state["extra"].get("totals", self.totals))
+        fit = state["extra"].get("fit")  # kept only while optim.max_steps is the one that was fitted
+        if fit and fit["from"] == self.cfg.optim.max_steps:
+            self.max_steps = int(fit["to"])
 
     def save(self) -> Path | None:
         if self.rank == 0:
@@ -227,24 +234,26 @@ class Trainer:
             return save_checkpoint(self.out, self.step, self.model, self.target, self.optimizer,
                                    config=self.cfg.to_dict(), target_name=self.cfg.target.name,
                                    chat_template=getattr(tok, "chat_template", None),
-                                   extra={"totals": self.totals}, keep=self.cfg.run.keep_checkpoints)
+                                   extra={"totals": self.totals, "fit": self._fit_record()},
+                                   keep=self.cfg.run.keep_checkpoints)
         return None
 
     def export(self) -> Path:
         dtype = getattr(torch, self.cfg.run.export_dtype)
         return save_drafter(self.out / "drafter", self.model, self.target, target_name=self.cfg.target.name,
                             chat_template=getattr(self.loaded.tokenizer, "chat_template", None), dtype=dtype,
-                            training={"steps": self.step, **self.totals, "config": self.cfg.to_dict(),
+                            training={"steps": self.step, "fit": self._fit_record(), **self.totals,
+                                      "config": self.cfg.to_dict(),
                                       "draft_vocab_coverage": self.vocab_coverage})
 
     def run(self) -> dict:
         cfg, t_start = self.cfg, time.perf_counter()
         log = CsvLog(self.out / "train_log.csv", self.step) if self.rank == 0 else None
-        bar = progress_bar(cfg.optim.max_steps, self.step, cfg.run.progress and self.rank == 0)
+        bar = progress_bar(self.max_steps, self.step, cfg.run.progress and self.rank == 0)
         stats: dict = {}
-        timed_out = False
+        timed_out, ran, t_first = False, 0, 0.0
         try:
-            while self.step < cfg.optim.max_steps:
+            while self.step < self.max_steps:
                 t0 = time.perf_counter()
                 stats = self.train_step()
                 dt = time.perf_counter() - t0
@@ -258,8 +267,14 @@ class Trainer:
                                 tok_s=f"{stats['tokens_per_s']:.0f}")
                 if log is not None and self.step % cfg.run.log_every == 0:
                     log.write(stats)
-                if self.step % cfg.run.ckpt_every == 0 or self.step == cfg.optim.max_steps:
+                if self.step % cfg.run.ckpt_every == 0 or self.step == self.max_steps:
                     self.save()
+                ran += 1
+                if ran == 1:
+                    t_first = time.perf_counter()  # the first step pays for warm-up: timed from its end
+                elif ran == FIT_AFTER_STEPS and cfg.run.fit_steps_to_time and cfg.run.max_time_s > 0:
+                    self._fit_steps(t_start, (time.perf_counter() - t_first) / (ran - 1))
+                    bar.total = self.max_steps
                 if self._out_of_time(t_start):
                     self.save()
                     timed_out = True
@@ -268,9 +283,26 @@ class Trainer:
             bar.close()
             if log is not None:
                 log.close()
-        done = self.step >= cfg.optim.max_steps or (timed_out and cfg.run.export_on_stop)
+        done = self.step >= self.max_steps or (timed_out and cfg.run.export_on_stop)
         exported = self.export() if self.rank == 0 and done else None
         return {"step": self.step, "drafter": str(exported) if exported else None, "last": stats, **self.totals}
+
+    def _fit_steps(self, t_start: float, step_s: float) -> None:
+        """Shorten the schedule to the steps that fit the time box: `step_s` is a loop iteration's mean wall
+        time after the first (logging and checkpoints included), averaged over processes; 5 % margin."""
+        step_s = float(self._all_reduce(torch.tensor([step_s], dtype=torch.float64))[0]) / self.world
+        left = self.cfg.run.max_time_s - (time.perf_counter() - t_start)
+        fits = self.step + int(0.95 * left / step_s)
+        if fits < self.max_steps:
+            self.max_steps = max(self.step + 1, fits)
+            if self.rank == 0:
+                print(f"train: {step_s * 1e3:.0f} ms a step, so {self.max_steps} steps fit max_time_s = "
+                      f"{self.cfg.run.max_time_s:g} s (was optim.max_steps = {self.cfg.optim.max_steps})",
+                      file=sys.stderr, flush=True)
+
+    def _fit_record(self) -> dict | None:
+        o = self.cfg.optim.max_steps
+        return {"from": o, "to": self.max_steps} if self.max_steps != o else None
 
     def _out_of_time(self, t_start: float) -> bool:
         limit = self.cfg.run.max_time_s
