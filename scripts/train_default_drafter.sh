@@ -2,10 +2,11 @@
 # The recipe of the shipped SmolLM2 drafter on one GPU, in one time box (DESIGN.md §3):
 #   1. regenerate answers to the training prompts with the target (transformers backend, padded batches; one
 #      process per prompt file, in parallel),
-#   2. train the DRAFTERS (default: DSpark, the shipped one, and DFlash, its baseline) side by side on the same
-#      data; each schedule is fitted to the time left (run.fit_steps_to_time), so its cosine ends in the box,
-#   3. export them (bf16) and pack the results into $RESULTS in priority order (DSpark and the logs, the data,
-#      then the rest), within what may travel back from a lent machine.
+#   2. train the DRAFTERS on these answers plus EXTRA_DATA (earlier sessions'): from scratch, DSpark (the shipped
+#      kind) and DFlash (its baseline) side by side; with INIT_FROM, DSpark alone, going on from that drafter.
+#      Each schedule is fitted to the time left (run.fit_steps_to_time), so its cosine ends in the box,
+#   3. export them (bf16) and pack the results into $RESULTS in priority order (the logs and profiles, the first
+#      drafter, this run's new answers, then the rest), within what may travel back from a lent machine.
 # Every stage is time-boxed and resumable, so a cut-off run still returns what it finished.
 #
 #   GGUF=path/to/SmolLM2-135M-Instruct.Q4_1.gguf PROMPTS="a.jsonl b.jsonl" DEVICE=cuda TOTAL_S=480 \
@@ -27,7 +28,11 @@ MAX_NEW=${MAX_NEW:-512}
 STEPS=${STEPS:-20000}           # an upper bound: the fitted schedule decides
 BATCH_SEQS=${BATCH_SEQS:-32}
 THREADS=${THREADS:-4}
-DRAFTERS=${DRAFTERS:-"dspark dflash"}
+INIT_FROM=${INIT_FROM:-}         # an exported DSpark drafter to go on training (run.init_from), e.g. the shipped one
+EXTRA_DATA=${EXTRA_DATA:-}       # earlier sessions' regenerated answers (.jsonl or .jsonl.xz), trained on too
+DSPARK_LAYERS=${DSPARK_LAYERS:-$([ -n "$INIT_FROM" ] && echo 1 || echo 2)}  # must match INIT_FROM's
+PROFILE_STEPS=${PROFILE_STEPS:-3}  # steps 11-13 of each run under torch.profiler: <run>/profile.txt
+DRAFTERS=${DRAFTERS:-$([ -n "$INIT_FROM" ] && echo dspark || echo "dspark dflash")}
 RETURN_MB=${RETURN_MB:-60}      # what may come back (a lent machine returns 64 MiB in at most 8 files)
 mkdir -p "$WORK" "$RESULTS"
 start=$SECONDS
@@ -52,7 +57,13 @@ for p in $PROMPTS; do  # timeout keeps every finished conversation: datagen resu
 done
 wait
 for d in "$WORK"/data-*; do log "$d: $(wc -l < "$d/data.jsonl") conversations"; tail -n 2 "${d/data-/datagen-}.log"; done
-cat "$WORK"/data-*/data.jsonl > "$WORK/train.jsonl"
+cat "$WORK"/data-*/data.jsonl > "$WORK/new.jsonl"
+if [ -n "$EXTRA_DATA" ]; then
+  $PY -c "import lzma, sys; p = sys.argv[1]; sys.stdout.write((lzma.open(p, 'rt') if p.endswith('.xz') else open(p)).read())" \
+    "$EXTRA_DATA" > "$WORK/extra.jsonl" || exit 1
+  log "extra data: $(wc -l < "$WORK/extra.jsonl") conversations from $EXTRA_DATA"
+fi
+cat "$WORK/new.jsonl" ${EXTRA_DATA:+"$WORK/extra.jsonl"} > "$WORK/train.jsonl"
 
 train() {  # name, extra --set arguments...
   local name=$1; shift
@@ -61,14 +72,14 @@ train() {  # name, extra --set arguments...
     --set run.out_dir="$WORK/$name" --set run.max_time_s="$train_s" --set run.fit_steps_to_time=true \
     --set run.threads="$THREADS" --set optim.max_steps="$STEPS" --set optim.batch_seqs="$BATCH_SEQS" \
     --set optim.loss_chunk_blocks=256 --set run.log_every=10 --set run.ckpt_every=100000 \
-    --set run.export_on_stop=true "$@" > "$WORK/$name.log" 2>&1
+    --set run.export_on_stop=true --set run.profile_steps="$PROFILE_STEPS" "$@" > "$WORK/$name.log" 2>&1
   log "train $name exit $?"
 }
 train_s=$(( $(left) - 75 ))  # loading and tokenizing before the clock starts, export and packing after it
 log "train $DRAFTERS: $train_s s each"
 for name in $DRAFTERS; do
   case $name in
-    dspark) train dspark --set drafter.num_layers=2 & ;;
+    dspark) train dspark --set drafter.num_layers="$DSPARK_LAYERS" ${INIT_FROM:+--set run.init_from="$INIT_FROM"} & ;;
     dflash) train dflash --set drafter.type=dflash --set drafter.num_layers=2 & ;;
     eagle3) train eagle3 --set drafter.type=eagle3 & ;;
   esac
@@ -80,9 +91,9 @@ for name in $DRAFTERS; do tail -n 3 "$WORK/$name.log"; done
 $PY - "$WORK" "$RESULTS" "$RETURN_MB" $DRAFTERS <<'EOF'
 import glob, io, lzma, os, sys, tarfile
 work, results, budget, names = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 2**20, sys.argv[4:]
-with open(f"{work}/train.jsonl", "rb") as f, lzma.open(f"{work}/data.jsonl.xz", "wb", preset=6) as out:
+with open(f"{work}/new.jsonl", "rb") as f, lzma.open(f"{work}/data.jsonl.xz", "wb", preset=6) as out:
     out.write(f.read())
-logs = [p for n in names for p in (f"{n}.log", f"{n}/train_log.csv")] + sorted(
+logs = [p for n in names for p in (f"{n}.log", f"{n}/train_log.csv", f"{n}/profile.txt")] + sorted(
     os.path.relpath(p, work) for p in glob.glob(f"{work}/data-*/meta.json") + glob.glob(f"{work}/datagen-*.log"))
 pieces = [("logs", logs), ("data", ["data.jsonl.xz"])] + [(n, [f"{n}/drafter"]) for n in names]
 pieces.insert(1, pieces.pop(2))  # the first drafter (the shipped one) right after the logs

@@ -119,6 +119,24 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(env, tmp_path, monkeyp
     assert Trainer(config_from_dict(raw_config(env, tmp_path / "r")), loaded=loaded).step == 1
 
 
+def test_init_from_an_exported_drafter_continues_its_weights_and_vocabulary(env, tmp_path):
+    loaded = load_model(str(env[1]))
+    first = Trainer(config_from_dict(raw_config(env, tmp_path / "a", draft_vocab=48)), loaded=loaded)
+    first.train_step()
+    exported = first.export()
+    raw = raw_config(env, tmp_path / "b", draft_vocab=48)
+    raw["run"]["init_from"] = str(exported)
+    second = Trainer(config_from_dict(raw), loaded=loaded)
+    assert second.step == 0  # a new run: fresh optimizer and schedule
+    assert torch.equal(second.model.vocab_ids, first.model.vocab_ids)
+    ours, theirs = second.model.state_dict(), first.model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert second.train_step()["loss"] > 0
+    raw["drafter"]["rank"], raw["run"]["out_dir"] = 4, str(tmp_path / "c")
+    with pytest.raises(ConfigError, match="another architecture.*rank: 8 there, 4 here"):
+        Trainer(config_from_dict(raw), loaded=loaded)
+
+
 class TickClock:
     """perf_counter for the trainer: every reading is one second after the last."""
 
@@ -147,6 +165,14 @@ def test_fit_steps_to_time_ends_the_schedule_inside_the_time_box(env, tmp_path, 
     assert Trainer(config_from_dict(raw), loaded=loaded).max_steps == trainer.max_steps  # kept on resume
     raw["optim"]["max_steps"] = 2000  # a new schedule (a warm restart) is not capped by the old fit
     assert Trainer(config_from_dict(raw), loaded=loaded).max_steps == 2000
+
+
+def test_profile_steps_writes_where_the_time_went(env, tmp_path):
+    raw = raw_config(env, tmp_path / "r", max_steps=13)
+    raw["run"]["profile_steps"] = 2
+    Trainer(config_from_dict(raw), loaded=load_model(str(env[1]))).run()
+    text = (tmp_path / "r" / "profile.txt").read_text()
+    assert text.startswith("steps 11-12:") and "aten::" in text and "Self CPU" in text
 
 
 def test_training_never_imports_the_engine_or_the_server():

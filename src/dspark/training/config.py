@@ -90,6 +90,10 @@ class RunSection:
     # With max_time_s: after a few timed steps, shorten optim.max_steps to what fits the time left, so the
     # cosine schedule ends with the time box instead of being cut off at a high learning rate.
     fit_steps_to_time: bool = False
+    # An exported drafter (its weights and draft vocabulary) to start from instead of a fresh initialisation:
+    # training goes on across machines and sessions, with a new optimizer and schedule. Same architecture only.
+    init_from: str = ""
+    profile_steps: int = 0  # > 0: profile this many steps (after the first 10) into out_dir/profile.txt
     export_dtype: str = "float32"  # precision of the exported drafter weights
     resume: bool = True
 

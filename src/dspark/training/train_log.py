@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import os
+import time
 from pathlib import Path
 
 
@@ -79,3 +80,33 @@ def plot_log(csv_path: str | Path, png_path: str | Path, window: int = 20) -> Pa
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return png_path
+
+
+class StepProfiler:
+    """torch.profiler over the next `steps` training steps; writes where their time went (CPU and, on a GPU,
+    device operators, top 40 by self time) to `path`, so a run on a lent machine reports its own breakdown."""
+
+    def __init__(self, device, steps: int, path):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.cuda, self.left, self.path = device.type == "cuda", steps, Path(path)
+        self.t0, self.first = time.perf_counter(), None
+        self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else []))
+        self.prof.__enter__()
+
+    def stepped(self, step: int) -> bool:
+        """After each step; True once the profile is written."""
+        self.first = step if self.first is None else self.first
+        self.left -= 1
+        if self.left > 0:
+            return False
+        self.stop(step)
+        return True
+
+    def stop(self, step: int) -> None:
+        self.prof.__exit__(None, None, None)
+        wall = time.perf_counter() - self.t0
+        key = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+        table = self.prof.key_averages().table(sort_by=key, row_limit=40)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(f"steps {self.first}-{step}: {wall:.2f} s wall under the profiler\n{table}\n")

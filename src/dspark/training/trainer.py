@@ -28,7 +28,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .losses import STAT_KEYS, backward, slot_weights, tau_estimate
 from .packing import load_batch, plan_batch
-from .train_log import CsvLog, progress_bar
+from .train_log import CsvLog, StepProfiler, progress_bar
 
 FIT_AFTER_STEPS = 10  # timed steps before fit_steps_to_time decides
 
@@ -101,9 +101,12 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)  # the same initial weights in every process
         self.recipe = RECIPES[cfg.drafter.type]
         self.model = self.recipe.model(arch, self.target)
-        if cfg.drafter.init_from_target:
-            self.model.init_from_target(self.target)
-        self.vocab_coverage = self._choose_draft_vocab()
+        if cfg.run.init_from:
+            self.vocab_coverage = self._warm_start(cfg.run.init_from)
+        else:
+            if cfg.drafter.init_from_target:
+                self.model.init_from_target(self.target)
+            self.vocab_coverage = self._choose_draft_vocab()
         self.model.set_head_dtype(getattr(torch, cfg.optim.head_dtype))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optim
@@ -135,6 +138,26 @@ class Trainer:
                                  always=tuple(getattr(self.loaded, "eos_ids", ()) or ()))
         self.model.set_draft_vocab(ids)
         return coverage(self.source.data, ids)
+
+    def _warm_start(self, path: str) -> float | None:
+        """Load an exported drafter's weights (and draft vocabulary) into the fresh model. -> the fraction of
+        answer tokens its draft vocabulary covers in this data, or None without one."""
+        from ..drafters.dspark_checkpoint import load_drafter_model
+        from .config import ConfigError
+
+        saved, _ = load_drafter_model(path, self.target, model_cls=self.recipe.model)
+        if saved.arch != self.model.arch:
+            a, b = saved.arch.__dict__, self.model.arch.__dict__
+            diff = ", ".join(f"{k}: {a[k]!r} there, {b[k]!r} here" for k in a if a[k] != b.get(k))
+            raise ConfigError(f"run.init_from = {path} is another architecture ({diff}); match the [drafter] "
+                              f"section to it")
+        self.model.load_state_dict(saved.state_dict())
+        ids = self.model.vocab_ids
+        if ids is None:
+            return None
+        from .draft_vocab import coverage
+
+        return coverage(self.source.data, ids.cpu())
 
     # ------------------------------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -251,11 +274,15 @@ class Trainer:
         log = CsvLog(self.out / "train_log.csv", self.step) if self.rank == 0 else None
         bar = progress_bar(self.max_steps, self.step, cfg.run.progress and self.rank == 0)
         stats: dict = {}
-        timed_out, ran, t_first = False, 0, 0.0
+        timed_out, ran, t_first, profiler = False, 0, 0.0, None
         try:
             while self.step < self.max_steps:
                 t0 = time.perf_counter()
+                if ran == FIT_AFTER_STEPS and cfg.run.profile_steps > 0 and self.rank == 0:
+                    profiler = StepProfiler(self.device, cfg.run.profile_steps, self.out / "profile.txt")
                 stats = self.train_step()
+                if profiler is not None and profiler.stepped(self.step):
+                    profiler = None
                 dt = time.perf_counter() - t0
                 self.totals["context_tokens"] += stats["context_tokens"]
                 self.totals["slots"] += stats["slots"]
@@ -283,6 +310,8 @@ class Trainer:
             bar.close()
             if log is not None:
                 log.close()
+            if profiler is not None:
+                profiler.stop(self.step)
         done = self.step >= self.max_steps or (timed_out and cfg.run.export_on_stop)
         exported = self.export() if self.rank == 0 and done else None
         return {"step": self.step, "drafter": str(exported) if exported else None, "last": stats, **self.totals}
