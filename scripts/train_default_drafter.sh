@@ -31,6 +31,7 @@ THREADS=${THREADS:-4}
 INIT_FROM=${INIT_FROM:-}         # an exported DSpark drafter to go on training (run.init_from), e.g. the shipped one
 EXTRA_DATA=${EXTRA_DATA:-}       # earlier sessions' regenerated answers (.jsonl or .jsonl.xz), trained on too
 DSPARK_LAYERS=${DSPARK_LAYERS:-$([ -n "$INIT_FROM" ] && echo 1 || echo 2)}  # must match INIT_FROM's
+TF32=${TF32:-true}               # training's fp32 products in TF32 (session 32 ran without: 0.50 s a step)
 PROFILE_STEPS=${PROFILE_STEPS:-3}  # steps 11-13 of each run under torch.profiler: <run>/profile.txt
 DRAFTERS=${DRAFTERS:-$([ -n "$INIT_FROM" ] && echo dspark || echo "dspark dflash")}
 RETURN_MB=${RETURN_MB:-60}      # what may come back (a lent machine returns 64 MiB in at most 8 files)
@@ -72,7 +73,8 @@ train() {  # name, extra --set arguments...
     --set run.out_dir="$WORK/$name" --set run.max_time_s="$train_s" --set run.fit_steps_to_time=true \
     --set run.threads="$THREADS" --set optim.max_steps="$STEPS" --set optim.batch_seqs="$BATCH_SEQS" \
     --set optim.loss_chunk_blocks=256 --set run.log_every=10 --set run.ckpt_every=100000 \
-    --set run.export_on_stop=true --set run.profile_steps="$PROFILE_STEPS" "$@" > "$WORK/$name.log" 2>&1
+    --set run.export_on_stop=true --set run.profile_steps="$PROFILE_STEPS" --set run.tf32="$TF32" "$@" \
+    > "$WORK/$name.log" 2>&1
   log "train $name exit $?"
 }
 train_s=$(( $(left) - 75 ))  # loading and tokenizing before the clock starts, export and packing after it

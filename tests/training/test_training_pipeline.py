@@ -76,7 +76,9 @@ warmup_steps = 1
 [run]
 out_dir = "{run}"
 """)
-    assert main(["train", "--config", str(config), "--set", "optim.lr=1e-3", "--no-progress"]) == 0
+    assert main(["train", "--config", str(config), "--set", "optim.lr=1e-3", "--set", "run.tf32=true",
+                 "--no-progress"]) == 0
+    assert torch.get_float32_matmul_precision() == "highest"  # TF32 is for a CUDA target only
     saved = json.loads((run / "drafter" / "config.json").read_text())
     assert saved["drafter_type"] == "dspark" and saved["arch"]["layer_ids"] == [0, 2]
     assert saved["chat_template"] and saved["target"]["vocab_size"] == 96

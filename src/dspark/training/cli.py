@@ -91,8 +91,15 @@ def cmd_train(args) -> int:
         overrides.append("run.resume=false")
     if args.no_progress:
         overrides.append("run.progress=false")
+    cfg = load_config(args.config, overrides)
+    if cfg.run.tf32 and cfg.target.device.startswith("cuda"):
+        import torch
+
+        # Process-wide, so it is set here and not inside Trainer: fp32 products in TF32 on the GPU (features,
+        # target logits at the scored slots, the drafter). Training only; decoding never runs with it.
+        torch.set_float32_matmul_precision("high")
     try:
-        summary = Trainer(load_config(args.config, overrides)).run()
+        summary = Trainer(cfg).run()
         if dist.is_initialized():
             dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks aborts the peer
     finally:

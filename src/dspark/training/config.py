@@ -94,6 +94,7 @@ class RunSection:
     # training goes on across machines and sessions, with a new optimizer and schedule. Same architecture only.
     init_from: str = ""
     profile_steps: int = 0  # > 0: profile this many steps (after the first 10) into out_dir/profile.txt
+    tf32: bool = False  # `dspark train` on a CUDA target: fp32 matrix products on TF32 tensor cores
     export_dtype: str = "float32"  # precision of the exported drafter weights
     resume: bool = True
 
