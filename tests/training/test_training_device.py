@@ -20,8 +20,8 @@ def env(tmp_path_factory):
     return root, make_target_dir(root / "target"), random_dataset(root / "data.jsonl", 8, seed=3)
 
 
-def _forward(model, seqs):
-    segments = [Segment(model.new_cache(), 0, len(s)) for s in seqs]
+def _forward(model, seqs, cached=True):
+    segments = [Segment(model.new_cache() if cached else None, 0, len(s)) for s in seqs]
     out = model.forward(torch.cat(seqs), segments, hidden_layers=(1,))
     return out.logits.cpu(), out.hidden[1].cpu()
 
@@ -31,9 +31,11 @@ def test_ragged_forward_on_gpu_matches_cpu(env):
     _, target, _ = env
     seqs = [torch.randint(2, 90, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 17, 1)]
     cpu = _forward(load_model(str(target)).model, seqs)
-    gpu = _forward(load_model(str(target), device="cuda").model, seqs)
-    for a, b in zip(cpu, gpu):
-        assert torch.allclose(a, b, rtol=1e-3, atol=1e-3), float((a - b).abs().max())
+    gpu_model = load_model(str(target), device="cuda").model
+    for cached in (True, False):  # the serving path, and training features' padded path
+        gpu = _forward(gpu_model, seqs, cached)
+        for a, b in zip(cpu, gpu):
+            assert torch.allclose(a, b, rtol=1e-3, atol=1e-3), (cached, float((a - b).abs().max()))
 
 
 @cuda

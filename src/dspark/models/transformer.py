@@ -23,11 +23,23 @@ from .layers import Projection, RotaryTable, activation, apply_rotary, rms_norm
 
 @dataclass
 class Segment:
-    """The new tokens of one request inside a flattened batch: positions start .. start+length-1."""
+    """The new tokens of one request inside a flattened batch: positions start .. start+length-1. cache=None: a
+    whole sequence from position 0 whose keys are not kept (training features): see `_DensePlan`."""
 
-    cache: KVCache
+    cache: KVCache | None
     start: int
     length: int
+
+
+@dataclass
+class _DensePlan:
+    """Cache-less segments attend as one padded batch: row r of the flat batch sits at `index[r]` of a
+    [B·S] layout (each sequence from its own row 0, padding after it), so one attention call per layer serves
+    them all. Right padding needs no padding mask: a causal query never sees a key after it."""
+    index: torch.Tensor  # [N]
+    batch: int
+    width: int
+    masks: dict  # window -> [S, S] bool (None: plain causal)
 
 
 @dataclass
@@ -44,6 +56,7 @@ class _AttentionPlan:
     segments left to torch, each with its first row and its key view per attention window."""
     native: torch.Tensor | None
     loop: list[tuple[int, Segment, dict]]
+    dense: _DensePlan | None = None
 
 
 @dataclass
@@ -107,14 +120,18 @@ class Transformer:
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]).to(self.device)  # [N]
         if top >= self.config.max_position:
             raise ValueError(f"position {top} is beyond the context window of {self.config.max_position}")
+        cacheless = [s.cache is None for s in segments]
+        if any(cacheless) and not (all(cacheless) and all(s.start == 0 for s in segments)):
+            raise ValueError("segments without a cache must all be whole sequences (start 0), and alone in a call")
         for s in segments:
-            s.cache.begin_write(s.start, s.length)
+            if s.cache is not None:
+                s.cache.begin_write(s.start, s.length)
         rope_global = self.rope.lookup(positions, top)
         rope_local = self.rope_local.lookup(positions, top) if self.rope_local is not self.rope else rope_global
         slot = {layer: j for j, layer in enumerate(dict.fromkeys(hidden_layers))}
         if any(not 0 <= layer < len(self.layers) for layer in slot):  # the buffer's slot would stay unwritten
             raise ValueError(f"hidden layers {list(slot)} asked of a {len(self.layers)}-layer model")
-        plan = self._plan_attention(segments)
+        plan = self._plan_dense(segments) if any(cacheless) else self._plan_attention(segments)
         x = self.embed_tokens(tokens.to(self.device))  # [N, d]
         # captured layers are copied into one buffer as they pass, so x's memory is reused, not held
         stacked = x.new_empty(x.shape[0], len(slot), x.shape[1]) if slot else None  # [N, m, d]
@@ -148,6 +165,32 @@ class Transformer:
         loop = [(r, s, {w: self._key_view(s, w) for w in windows})
                 for r, s, fast in zip(rows, segments, short) if not fast]
         return _AttentionPlan(table, loop)
+
+    def _plan_dense(self, segments: Sequence[Segment]) -> _AttentionPlan:
+        width = max(s.length for s in segments)
+        index = torch.cat([torch.arange(s.length) + b * width for b, s in enumerate(segments)]).to(self.device)
+        pos = torch.arange(width, device=self.device)
+        masks = {}
+        for w in {self._window(i) for i in range(len(self.layers))}:
+            masks[w] = None if not w else (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w)
+        return _AttentionPlan(None, [], _DensePlan(index, len(segments), width, masks))
+
+    def _dense_attention(self, index: int, q, k, v, plan: _DensePlan) -> torch.Tensor:
+        """q: [N, H, hd]; k, v: [N, kvH, hd] -> [N, H, hd]: one padded attention call for every sequence."""
+        def padded(t):  # [N, h, hd] -> [B, h, S, hd]
+            out = t.new_zeros(plan.batch * plan.width, *t.shape[1:])
+            out[plan.index] = t
+            return out.view(plan.batch, plan.width, *t.shape[1:]).transpose(1, 2)
+
+        qp, kp, vp = padded(q), padded(k), padded(v)
+        mask = plan.masks[self._window(index)]
+        if self.config.attn_logit_softcap:
+            causal = torch.ones(plan.width, plan.width, dtype=torch.bool, device=q.device).tril_()
+            o = self._softcapped_attention(qp, kp, vp, causal if mask is None else mask)
+        else:
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
+                                               scale=self.config.query_scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(plan.batch * plan.width, *q.shape[1:])[plan.index]
 
     def _key_view(self, seg: Segment, window: int | None) -> tuple[int, torch.Tensor | None]:
         """(first cache position any query of this segment can see, boolean mask [n, T] or None if none needed).
@@ -190,6 +233,8 @@ class Transformer:
         else:
             q = apply_rotary(rms_norm(qkv[:, :c.num_heads], w.q_norm, c.rms_eps), cos, sin)
             k = apply_rotary(rms_norm(qkv[:, c.num_heads:heads], w.k_norm, c.rms_eps), cos, sin)
+        if plan.dense is not None:
+            return w.o(self._dense_attention(index, q, k, v, plan.dense).reshape(n, c.num_heads * hd))
         window = self._window(index)
         if plan.native is None and len(plan.loop) == 1:  # one request in torch: no gather buffer, no copies
             _, seg, views = plan.loop[0]
