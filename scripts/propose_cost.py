@@ -10,13 +10,16 @@
         --after-target-step --out results/drafter-native-rows
     .venv/bin/python scripts/propose_cost.py --requests 1,2,4,8 --repeats 30 --depths 1,2,3,7 --ab-backbone \
         --after-target-step --out results/drafter-states
+    .venv/bin/python scripts/propose_cost.py --requests 1,8,32 --repeats 15 --depths 3,7 --ab-attention \
+        --after-target-step --out results/drafter-attention-s32
 
 Greedy batches carry no full-vocabulary distributions (point masses); `depth` is what a fixed-K policy asks for.
 `--ab-kernels` times each proposal with the drafter's inference kernels (drafters/draft_kernels.py) and with its
 reference nn.Linear products, in a shuffled order within one process; `--ab-bf16` likewise with the kernels in
 fp32 and with bf16 products (draft_kernels.py: bf16 LM head, bf16 projections from 3 rows up); `--ab-native-rows
 A,B` with our C kernel serving the drafter's fp32 projections and head up to A, then B rows (kernel_choice.py);
-`--ab-backbone` the inference backbone (`DSparkModel.draft_states`) against the whole block through `backbone`.
+`--ab-backbone` the inference backbone (`DSparkModel.draft_states`) against the whole block through `backbone`;
+`--ab-attention` drafting's one fused block-attention call against the grouped products (dspark_attention.py).
 `--after-target-step` runs a one-token target forward before every proposal, as an engine step does, so the
 drafter's weights are no longer in cache (a proposal repeated back to back reads them warm and looks cheaper than
 it is in the engine).
@@ -69,6 +72,7 @@ def main() -> None:
     ap.add_argument("--ab-native-rows", default=None, help="comma-separated C-kernel row limits to compare")
     ap.add_argument("--ab-backbone", action="store_true",
                     help="draft_states (inference path) vs the whole block through the training backbone")
+    ap.add_argument("--ab-attention", action="store_true", help="one fused attention call vs the grouped products")
     ap.add_argument("--after-target-step", action="store_true", help="a one-token target forward before each")
     ap.add_argument("--out", type=Path, default=None, help="write propose_cost.json / .md here")
     args = ap.parse_args()
@@ -105,9 +109,11 @@ def main() -> None:
 
 def mode_setters(drafter, model, args) -> dict:
     """name -> a function putting the drafter in that mode; the first is the default (what `propose` runs)."""
-    if sum(map(bool, (args.ab_kernels, args.ab_bf16, args.ab_native_rows, args.ab_backbone))) > 1:
-        raise SystemExit("--ab-kernels, --ab-bf16, --ab-native-rows and --ab-backbone are separate comparisons: "
-                         "pick one")
+    if sum(map(bool, (args.ab_kernels, args.ab_bf16, args.ab_native_rows, args.ab_backbone, args.ab_attention))) > 1:
+        raise SystemExit("--ab-kernels, --ab-bf16, --ab-native-rows, --ab-backbone and --ab-attention are separate "
+                         "comparisons: pick one")
+    if args.ab_attention:
+        return _attention_setters()
     if args.ab_backbone:
         return _backbone_setters(drafter)
     if args.ab_native_rows:
@@ -145,6 +151,17 @@ def _backbone_setters(drafter) -> dict:
     def reference() -> None:
         model.__dict__["draft_states"] = whole_block
     return {"draft_states": fast, "whole block": reference}
+
+
+def _attention_setters() -> dict:
+    from dspark.drafters import dspark_attention, dspark_model
+
+    def one_call() -> None:
+        dspark_model.block_attention = dspark_attention.block_attention
+
+    def grouped() -> None:
+        dspark_model.block_attention = dspark_attention.grouped_block_attention
+    return {"one call": one_call, "grouped": grouped}
 
 
 def _rows_setter(drafter, limit: int):

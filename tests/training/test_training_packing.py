@@ -1,4 +1,5 @@
 """Anchor-bounded packing: token-level indices give exactly the attention of a dense-mask reference."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -77,3 +78,20 @@ def test_packing_several_sequences_equals_each_alone(tmp_path):
     for key in ("ce", "tv", "conf", "den"):
         torch.testing.assert_close(torch.tensor(float(together[key])), torch.tensor(sum(float(a[key]) for a in alone)),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("G,T,S", [(1, 9, 8), (5, 30, 8), (3, 17, 3)])
+def test_one_block_attention_equals_the_grouped_products(G, T, S):
+    """Drafting (one block per request) takes one fused attention call; training's grouped products are its
+    reference: padded context rows (invisible) included."""
+    from dspark.drafters.dspark_attention import grouped_block_attention, one_block_attention
+
+    g = torch.Generator().manual_seed(G * 100 + T)
+    H, kvH, hd, gamma = 6, 2, 16, 8
+    q = torch.randn(G, 1, S, H, hd, generator=g)
+    kb, vb = (torch.randn(G, 1, gamma, kvH, hd, generator=g) for _ in range(2))
+    kc, vc = (torch.randn(G, T, kvH, hd, generator=g) for _ in range(2))
+    visible = torch.arange(T)[None, None] < torch.randint(0, T + 1, (G, 1, 1), generator=g)  # some see nothing
+    ours = one_block_attention(q, kb, vb, kc, vc, visible, hd ** -0.5)
+    ref = grouped_block_attention(q, kb, vb, kc, vc, visible, hd ** -0.5)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)

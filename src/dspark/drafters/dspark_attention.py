@@ -8,6 +8,7 @@ block — and share one softmax. Memory is O(G·A·γ·(T + γ)); no [S × S] ma
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def block_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
@@ -15,6 +16,27 @@ def block_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: tor
     """q: [G, A, γq, H, hd], the queries of a block's first γq ≤ γ slots; kb, vb: [G, A, γ, kvH, hd] (block
     keys); kc, vc: [G, T, kvH, hd] (context keys); ctx_visible: [G, A, T] bool (context position t < the block's
     anchor) -> [G, A, γq, H, hd]."""
+    if q.shape[1] == 1:  # drafting: one block per request
+        return one_block_attention(q, kb, vb, kc, vc, ctx_visible, scale)
+    return grouped_block_attention(q, kb, vb, kc, vc, ctx_visible, scale)
+
+
+def one_block_attention(q, kb, vb, kc, vc, ctx_visible, scale) -> torch.Tensor:
+    """block_attention for A = 1 as one fused attention call over [context ; block] keys: 1.5-1.9x faster than the
+    grouped products for 1-32 requests on a 2-core CPU (32 requests of 600-token contexts: 12.0 -> 7.4 ms a
+    layer; scripts/block_attention_cost.py), equal to rounding (a test holds it to `grouped_block_attention`)."""
+    G, _, S, H, hd = q.shape
+    keys = torch.cat([kc, kb[:, 0]], dim=1).transpose(1, 2)  # [G, kvH, T + γ, hd]
+    values = torch.cat([vc, vb[:, 0]], dim=1).transpose(1, 2)
+    visible = torch.cat([ctx_visible[:, 0], ctx_visible.new_ones(G, kb.shape[2])], dim=-1)  # [G, T + γ]
+    out = F.scaled_dot_product_attention(q[:, 0].transpose(1, 2), keys, values, attn_mask=visible[:, None, None],
+                                         scale=scale, enable_gqa=True)  # [G, H, γq, hd]
+    return out.transpose(1, 2).unsqueeze(1)
+
+
+def grouped_block_attention(q, kb, vb, kc, vc, ctx_visible, scale) -> torch.Tensor:
+    """block_attention for any A (training packs many blocks per sequence): context and block keys scored
+    separately, one shared softmax."""
     G, A, S, H, hd = q.shape
     kv_heads = kb.shape[3]
     rep = H // kv_heads
