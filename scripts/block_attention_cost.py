@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.bench.common import machine_info, markdown_table, shuffled_medians, write_results
+from dspark.bench.common import machine_info, publish, shuffled_medians, timing_report
 from dspark.drafters.dspark_attention import grouped_block_attention, one_block_attention
 
 
@@ -42,13 +42,9 @@ def main(argv=None) -> int:
         rows.append([R, T, f"{t['grouped'] * 1e3:.2f}", f"{t['one call'] * 1e3:.2f}",
                      f"{t['grouped'] / t['one call']:.2f}", f"{diff:.1e}"])
         print(rows[-1], flush=True)
-    m = data["machine"]
-    md = (f"# Drafting block attention, one layer: grouped products vs one fused call\n\nMachine: {m['cpu']}, torch "
-          f"{m['torch']}, {m['torch_threads']} threads, {m['date']}; medians of {args.rounds} shuffled rounds.\n\n"
-          + markdown_table(["requests", "context", "grouped ms", "one call ms", "speed-up", "max |Δ|"], rows) + "\n")
-    print(md)
-    if args.out:
-        write_results(args.out, "block_attention", data, md)
+    md = timing_report("Drafting block attention, one layer: grouped products vs one fused call", data["machine"],
+                       args.rounds, ["requests", "context", "grouped ms", "one call ms", "speed-up", "max |Δ|"], rows)
+    publish(args.out, "block_attention", data, md)
     return 0
 
 

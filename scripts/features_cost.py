@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dspark.bench.common import machine_info, markdown_table, shuffled_medians, write_results
+from dspark.bench.common import machine_info, publish, shuffled_medians, timing_report
 from dspark.models import load_model
 from dspark.models.transformer import Segment
 
@@ -62,14 +62,11 @@ def main(argv=None) -> int:
         rows.append([b, tokens, f"{times['per-sequence'] * 1e3:.0f}", f"{times['padded'] * 1e3:.0f}",
                      f"{times['per-sequence'] / times['padded']:.2f}", ops["per-sequence"], ops["padded"], f"{diff:.1e}"])
         print(rows[-1], flush=True)
-    md = (f"# Training features: per-sequence vs padded attention ({args.model}, layers {LAYERS})\n\n"
-          f"Machine: {data['machine']['cpu']}, torch {data['machine']['torch']}, {data['machine']['torch_threads']} "
-          f"threads, {data['machine']['date']}; median of {args.rounds} shuffled rounds.\n\n"
-          + markdown_table(["sequences", "tokens", "per-sequence ms", "padded ms", "speed-up", "operators before",
-                            "operators after", "max |Δ hidden| / max |hidden|"], rows) + "\n")
-    print(md)
-    if args.out:
-        write_results(args.out, "features", data, md)
+    md = timing_report(f"Training features: per-sequence vs padded attention ({args.model}, layers {LAYERS})",
+                       data["machine"], args.rounds, ["sequences", "tokens", "per-sequence ms", "padded ms", "speed-up",
+                                                      "operators before", "operators after",
+                                                      "max |Δ hidden| / max |hidden|"], rows)
+    publish(args.out, "features", data, md)
     return 0
 
 

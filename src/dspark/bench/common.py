@@ -63,6 +63,19 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def timing_report(title: str, machine: dict, rounds: int, headers: list[str], rows: list[list]) -> str:
+    """A cost script's Markdown: title, the machine and how it was timed, then the table."""
+    return (f"# {title}\n\nMachine: {machine['cpu']}, torch {machine['torch']}, {machine['torch_threads']} threads, "
+            f"{machine['date']}; medians of {rounds} shuffled rounds.\n\n" + markdown_table(headers, rows) + "\n")
+
+
+def publish(out: Path | None, name: str, data: dict, markdown: str) -> None:
+    """Print the Markdown; with an output folder also write name.json and name.md there."""
+    print(markdown)
+    if out is not None:
+        write_results(out, name, data, markdown)
+
+
 def write_results(out: Path, name: str, data: dict, markdown: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(data, indent=2))
