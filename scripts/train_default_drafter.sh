@@ -20,7 +20,8 @@ RESULTS=${RESULTS:-$WORK/results}
 DEVICE=${DEVICE:-cuda}
 PY=${PYTHON:-python3}
 TOTAL_S=${TOTAL_S:-480}         # the whole run, packing included
-DATAGEN_SHARE=${DATAGEN_SHARE:-0.38}  # of TOTAL_S for answer regeneration; training gets the rest
+DATAGEN_SHARE=${DATAGEN_SHARE:-$([ -n "${EXTRA_DATA:-}" ] && echo 0.25 || echo 0.38)}  # of TOTAL_S for answer
+                                # regeneration (less when earlier answers come along); training gets the rest
 LIMIT=${LIMIT:-0}               # prompts per file (0 = all)
 GEN_BATCH=${GEN_BATCH:-1024}    # conversations per chunk
 GEN_TOKENS=${GEN_TOKENS:-700000} # rows x (prompt + MAX_NEW) per generate call: bounds the padded KV cache
