@@ -28,8 +28,8 @@ def embed_signature(embed: torch.Tensor, rows: int = 16) -> list[float]:
     weights in any precision, unrelated for another model with the same shapes."""
     idx = torch.linspace(0, embed.shape[0] - 1, rows).long()
     direction = torch.randn(embed.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    rows_ = embed.detach()[idx.to(embed.device)].double().cpu()  # [rows, hidden], on the CPU for any target
-    return [round(float(x), 6) for x in rows_ @ direction]
+    sample = embed.detach()[idx.to(embed.device)].double().cpu()  # [rows, hidden], on the CPU for any target
+    return [round(float(x), 6) for x in sample @ direction]
 
 
 def target_fingerprint(target: Transformer, name: str | None = None) -> dict:

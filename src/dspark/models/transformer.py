@@ -39,7 +39,7 @@ class _DensePlan:
     index: torch.Tensor  # [N]
     batch: int
     width: int
-    masks: dict  # window -> [S, S] bool (None: plain causal)
+    masks: dict  # window -> [S, S] bool (None: plain causal, through the fused kernel's is_causal)
 
 
 @dataclass
@@ -169,10 +169,12 @@ class Transformer:
     def _plan_dense(self, segments: Sequence[Segment]) -> _AttentionPlan:
         width = max(s.length for s in segments)
         index = torch.cat([torch.arange(s.length) + b * width for b, s in enumerate(segments)]).to(self.device)
-        pos = torch.arange(width, device=self.device)
-        masks = {}
-        for w in {self._window(i) for i in range(len(self.layers))}:
-            masks[w] = None if not w else (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w)
+        # Every sequence starts at 0, so the longest one's key view (causal, and the window's band) serves all;
+        # soft-capped attention has no is_causal, so it takes the causal mask too.
+        whole = Segment(None, 0, width)
+        explicit = bool(self.config.attn_logit_softcap)
+        masks = {w: self._key_view(whole, w)[1] if (w or explicit) else None
+                 for w in {self._window(i) for i in range(len(self.layers))}}
         return _AttentionPlan(None, [], _DensePlan(index, len(segments), width, masks))
 
     def _dense_attention(self, index: int, q, k, v, plan: _DensePlan) -> torch.Tensor:
@@ -185,8 +187,7 @@ class Transformer:
         qp, kp, vp = padded(q), padded(k), padded(v)
         mask = plan.masks[self._window(index)]
         if self.config.attn_logit_softcap:
-            causal = torch.ones(plan.width, plan.width, dtype=torch.bool, device=q.device).tril_()
-            o = self._softcapped_attention(qp, kp, vp, causal if mask is None else mask)
+            o = self._softcapped_attention(qp, kp, vp, mask)
         else:
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
                                                scale=self.config.query_scale, enable_gqa=True)

@@ -25,7 +25,7 @@ from ..drafters.dspark_model import DrafterArch, DSparkModel, default_layer_ids
 from ..drafters.eagle3_model import Eagle3Model
 from . import eagle3_losses
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .losses import STAT_KEYS, backward, slot_weights, tau_estimate
 from .packing import load_batch, plan_batch
 from .train_log import CsvLog, StepProfiler, progress_bar
@@ -143,7 +143,6 @@ class Trainer:
         """Load an exported drafter's weights (and draft vocabulary) into the fresh model. -> the fraction of
         answer tokens its draft vocabulary covers in this data, or None without one."""
         from ..drafters.dspark_checkpoint import load_drafter_model
-        from .config import ConfigError
 
         saved, _ = load_drafter_model(path, self.target, model_cls=self.recipe.model)
         if saved.arch != self.model.arch:
