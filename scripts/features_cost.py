@@ -5,7 +5,7 @@
 
 On a GPU, `compute_features` runs the target over whole sequences whose keys are not kept (`Segment(None, 0, n)`):
 one padded attention call per layer for the batch. Per sequence (its own cache and attention call, the CPU's path
-and the only one before session 32) a 30-layer target makes some 2,000 small operators a sequence, which a GPU
+and the only one before session 32) a 30-layer target makes some 1,900 small operators a sequence, which a GPU
 pays in launches. This times both on this machine (shuffled rounds, medians), counts their operators, and checks
 that they agree.
 """

@@ -105,8 +105,8 @@ def compute_features(target: Transformer, sequences: list[torch.Tensor],
     last = target.config.num_layers - 1
     tokens = torch.cat(sequences).to(target.device)
     # On a GPU, cache-less segments: no keys kept, one padded attention call per layer for all sequences (a cache
-    # and an attention call per sequence make ~2,000 small operators a sequence, which a GPU pays in launches).
-    # A CPU pays for the padding instead: per sequence there (0.95-1.07x, scripts/features_cost.py).
+    # and an attention call per sequence make ~1,900 small operators a sequence, which a GPU pays in launches).
+    # A CPU pays for the padding instead: per sequence there (0.91-1.08x, scripts/features_cost.py).
     padded = target.device.type != "cpu"
     segments = [Segment(None if padded else target.new_cache(capacity=len(s)), 0, len(s)) for s in sequences]
     # Ask for the last layer's output and apply the final norm here: cheaper than LM-head logits for all rows.
