@@ -181,3 +181,25 @@ def test_training_never_imports_the_engine_or_the_server():
             "bad = [m for m in sys.modules if m.startswith(('dspark.engine', 'dspark.serving'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bf16_target_trains_like_fp32_and_exports_for_the_fp32_target(env, tmp_path):
+    """Online features from a bf16 target (1.3x a CPU step where bf16 products are native) must train the
+    same drafter to rounding: the fp32 drafter sees features rounded to bf16 either way (data.feature_dtype),
+    and the export must load onto the fp32 target it will serve."""
+    from dspark.drafters.dspark_checkpoint import load_drafter_model
+
+    loaded32 = load_model(str(env[1]))
+    loaded16 = load_model(str(env[1]), "bfloat16")
+    raw16 = raw_config(env, tmp_path / "bf16")
+    raw16["target"]["dtype"] = "bfloat16"
+    t32 = Trainer(config_from_dict(raw_config(env, tmp_path / "fp32")), loaded=loaded32)
+    t16 = Trainer(config_from_dict(raw16), loaded=loaded16)
+    assert all(p.dtype == torch.float32 for p in t16.params)  # AdamW keeps fp32 master weights
+    s32, s16 = t32.train_step(), t16.train_step()  # the same initial weights and batch
+    for key in ("ce", "tv", "conf"):
+        assert s16[key] == pytest.approx(s32[key], rel=2e-3), key  # measured: within 2e-4
+    t16.run()
+    model, saved = load_drafter_model(tmp_path / "bf16" / "drafter", loaded32.model)  # strict fingerprint
+    assert saved["training"]["config"]["target"]["dtype"] == "bfloat16"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
