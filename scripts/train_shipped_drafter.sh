@@ -7,6 +7,10 @@
 #   3. (session 9) continued to MORE_STEPS (default 3,200) on the regenerated answers of the first 2,076 prompts
 #      of data/mix.jsonl (2,050 sequences, 0.59 M tokens; the schedule resumes at step 2,400 of a cosine to
 #      MORE_STEPS, i.e. at ~30 % of the peak learning rate).
+#   4. (session 33, with SESSION33=1) went on from stage 3's export (run.init_from: its weights and draft
+#      vocabulary, a new optimizer and schedule) for S33_STEPS (default 1,287) steps on the 8,192 conversations
+#      the session-32 GPU regenerated (results/training/gpu-s32/data.jsonl.xz), with online target features
+#      from a bf16 target (1.3x a step on this CPU's avx512_bf16: results/training/cpu-s33), peak lr 3e-4.
 # Prerequisites: data/smollm2-gen (`dspark datagen ... --limit 2076`) and data/smollm2-cache (the commands in
 # configs/smollm2-dspark.toml). Afterwards: RUN=runs/smollm2-dspark-more scripts/evaluate_shipped_drafter.sh
 source "$(dirname "$0")/table1_common.sh"
@@ -33,3 +37,11 @@ STEPS=400 train dspark "$THREADS" --set data.limit=$FIRST  # stage 1 = runs/tabl
 continue_run runs/table1-dspark 400 runs/smollm2-dspark-long "$LONG_STEPS" --set data.limit=$FIRST
 continue_run runs/smollm2-dspark-long "$LONG_STEPS" runs/smollm2-dspark-more "$MORE_STEPS"
 .venv/bin/python -c "from dspark.training.train_log import plot_log as p; p('runs/smollm2-dspark-more/train_log.csv', 'results/training/smollm2-dspark-more-train.png')"
+[ "${SESSION33:-0}" = 1 ] || exit 0
+mkdir -p runs/cpu-s33
+[ -f runs/cpu-s33/train.jsonl ] || xz -dc results/training/gpu-s32/data.jsonl.xz > runs/cpu-s33/train.jsonl
+"$DSPARK" train --config "$CFG" --no-progress --set data.dataset=runs/cpu-s33/train.jsonl --set data.cache= \
+  --set run.out_dir=runs/cpu-s33/dspark --set run.init_from=runs/smollm2-dspark-more/drafter \
+  --set optim.max_steps="${S33_STEPS:-1287}" --set optim.lr=3e-4 --set optim.warmup_steps=20 \
+  --set target.dtype=bfloat16 --set run.threads="$THREADS" --set run.log_every=10 --set run.ckpt_every=100 \
+  > runs/cpu-s33/dspark.log 2>&1
