@@ -192,7 +192,8 @@ def test_bench_serve_simulates_the_measured_cells(tiny, tmp_path, monkeypatch):
         simulated(ServeBenchConfig(model=cfg.model, gamma=7, traces=cfg.traces), loaded, drafter, cells, (0,))
 
 
-def test_bench_serve_measures_the_prefill_table_before_the_policies_read_the_profile(tiny, tmp_path, monkeypatch):
+def test_bench_serve_measures_the_prefill_table_before_the_policies_read_the_profile(tiny, bench_data, tmp_path,
+                                                                                  monkeypatch):
     """With --traces the simulator needs the prefill table; it is measured once, before the engines' policies load
     the profile, so both price steps from the same measurement (and none is measured twice)."""
     import dspark.scheduling.profile_io as profile_io
