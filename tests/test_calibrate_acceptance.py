@@ -325,7 +325,7 @@ def test_serve_cell_warm_up_measures_after_the_first_wave(tiny):
     real_add = engine.add_request
     engine.add_request = lambda *a, **k: added.append(real_add(*a, **k)) or added[-1]
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
-    cell = serving.run_cell(engine, [[5, 6, 7, 8], [9, 10, 11]], 3, params, seconds=0.3, warmup=60.0)
+    cell = serving.run_cell(engine, [[5, 6, 7, 8], [9, 10, 11]], 3, params, seconds=2.0, warmup=60.0)
     first_wave = added[:3]
     assert all(r.finish_reason == "length" for r in first_wave)
     # Everything produced inside the window: later requests only (each first-wave request finished before it).

@@ -163,6 +163,8 @@ def add_bench(sub) -> None:
                          description="Each drafter drafts γ tokens per round and all are verified (fixed-γ) on the "
                                      "same prompts; writes results/acceptance/acceptance.{json,md} and a plot.")
     a.add_argument("--model", default=DEFAULT_MODEL)
+    a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the target's dtype (plain decoding in the speed comparison uses the same target)")
     a.add_argument("--drafters", default="ngram", help="comma-separated drafter names or checkpoint paths")
     a.add_argument("--sets", default=",".join(DOMAIN_SETS), help="comma-separated benchmark sets")
     a.add_argument("--limit", type=int, default=20, help="prompts per set")
@@ -194,7 +196,7 @@ def run_bench_runtime(args) -> int:
 def run_bench_acceptance(args) -> int:
     from .bench.acceptance import AcceptanceConfig, run
 
-    run(AcceptanceConfig(model=args.model, drafters=tuple(args.drafters.split(",")), sets=tuple(args.sets.split(",")),
+    run(AcceptanceConfig(model=args.model, dtype=args.dtype, drafters=tuple(args.drafters.split(",")), sets=tuple(args.sets.split(",")),
                          per_set=args.limit, temperatures=tuple(float(t) for t in args.temperatures.split(",")),
                          gamma=args.gamma, max_new_tokens=args.max_new_tokens, batch=args.batch,
                          speed_prompts=args.speed_prompts, head_latency=args.head_latency, seed=args.seed,

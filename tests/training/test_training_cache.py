@@ -95,3 +95,23 @@ def test_estimate_matches_the_built_size(tmp_path, setup):
     assert est["tokens"] == manifest["tokens"] and est["bytes_per_token"] == 4 + 1 + 4 * 64 * 2
     on_disk = sum(s["bytes"] for s in manifest["shards"])
     assert 0.9 * est["bytes"] < on_disk < 1.1 * est["bytes"] + 4096
+
+
+@pytest.mark.parametrize("suffix", [".xz", ".gz"])
+def test_compressed_datasets_load_like_plain_ones_and_truncation_is_an_error(tmp_path, setup, suffix):
+    import gzip
+    import lzma
+
+    loaded, _ = setup
+    plain = random_dataset(tmp_path / "data.jsonl", 6, seed=4)
+    packed = tmp_path / f"data.jsonl{suffix}"
+    packed.write_bytes((lzma.compress if suffix == ".xz" else gzip.compress)(plain.read_bytes()))
+    want = load_sequences(plain, loaded.tokenizer, 64)
+    assert len(want) == 6 and load_sequences(packed, loaded.tokenizer, 64).digest() == want.digest()
+    if suffix == ".xz":  # a datagen directory holding only the committed, compressed copy
+        plain.unlink()
+        assert load_sequences(tmp_path, loaded.tokenizer, 64).digest() == want.digest()
+    cut = tmp_path / f"cut.jsonl{suffix}"
+    cut.write_bytes(packed.read_bytes()[: packed.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"cut.jsonl\{suffix}: the compressed file is truncated or corrupt"):
+        load_sequences(cut, loaded.tokenizer, 64)

@@ -33,6 +33,15 @@ def test_malformed_lines_are_reported_by_number(tmp_path):
     assert main(["datagen", "--prompts", str(path), "--out", str(tmp_path / "o"), "--model", "x"]) == 2
 
 
+def test_prompt_files_may_be_xz_compressed(tmp_path):
+    import lzma
+
+    path = write_prompts(tmp_path / "p.jsonl", 5)
+    packed = tmp_path / "p.jsonl.xz"
+    packed.write_bytes(lzma.compress(path.read_bytes()))
+    assert read_prompts(packed) == read_prompts(path)
+
+
 def test_multi_turn_replay_and_loss_mask(tmp_path, loaded):
     out = tmp_path / "out"
     summary = run_datagen(write_prompts(tmp_path / "p.jsonl", 4), out, SETTINGS, loaded=loaded, progress=False)

@@ -26,6 +26,7 @@ ALL_SETS = tuple(DOMAINS)
 @dataclass(frozen=True)
 class AcceptanceConfig:
     model: str = "smollm2-135m-instruct"
+    dtype: str = "float32"  # the target's; plain decoding in the speed comparison runs the same target
     drafters: tuple[str, ...] = ("default",)
     sets: tuple[str, ...] = ALL_SETS
     per_set: int = 20
@@ -37,6 +38,10 @@ class AcceptanceConfig:
     head_latency: bool = False  # time the sequential head at batch 1
     seed: int = 0
     out: Path = field(default=Path("results/acceptance"))
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, not {self.dtype!r}")
 
 
 def round_records(engine_requests) -> list[tuple[int, int]]:
@@ -239,7 +244,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def run(cfg: AcceptanceConfig) -> dict:
-    loaded = load_model(cfg.model)
+    loaded = load_model(cfg.model, dtype=cfg.dtype)
     texts = load_bench_prompts(cfg.sets, cfg.per_set)
     prompts = [(s, prompt_ids(loaded.tokenizer, text, True)) for s, text in texts]
     speed_set = [p for s in cfg.sets for p in [q for q in prompts if q[0] == s][:cfg.speed_prompts]]
@@ -260,7 +265,7 @@ def run(cfg: AcceptanceConfig) -> dict:
                   flush=True)
     data = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
             "machine": machine_info(), "results": rows}
-    md = (f"# Acceptance ({cfg.model}, γ = {cfg.gamma}, {cfg.per_set} prompts per set, "
+    md = (f"# Acceptance ({cfg.model} in {cfg.dtype}, γ = {cfg.gamma}, {cfg.per_set} prompts per set, "
           f"{cfg.max_new_tokens} new tokens, fixed-γ verification)\n\nMachine: {data['machine']['cpu']}, "
           f"torch {data['machine']['torch']}, {data['machine']['date']}\n" + _tables(cfg, rows) + "\n")
     write_results(cfg.out, "acceptance", data, md)

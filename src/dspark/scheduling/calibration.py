@@ -15,6 +15,15 @@ A temperature rescales a logit but cannot move it: a head that is over-confident
 (e.g. trained on answers sampled at T = 0.7 and calibrated at T = 1) keeps that offset. ``fit_sts(shift=True)``
 also fits a per-position shift b_k, c_k = σ(L_k / T_k + b_k) (Platt scaling, applied sequentially in the same
 way); the default, ``shift=False``, is the paper's STS (all b_k = 0).
+
+The shifted fit minimises log loss, not ECE. With two free parameters ECE has a degenerate optimum: a large T
+and a shift that put every round's confidence at the base rate score an ECE near zero while ranking nothing. One
+half of session 33's rollouts (5,861 rounds) gave the shipped drafter's first slot that fit (T = 19.8: every
+request's confidence nearly equal, so the scheduler could no longer tell a likely draft from an unlikely one),
+the other half T = 1.28. Log loss is a proper scoring rule, so it rewards the sharpness ECE ignores: its fits
+agree between the halves (slot 1: T 1.14, b −0.20 / −0.17) and held-out ECE and Brier score are at or below the
+raw head's at slots 1–6 either way round (results/calibration-s34). The temperature-only fit keeps the paper's
+ECE objective: one parameter cannot collapse the ranking that way.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from ._jsonio import FileFormatError, check_header, finite_or_none, none_to_nan, read_json, write_json_atomic
-from .metrics import PositionMetrics, ece_rows
+from .metrics import PositionMetrics, ece_rows, log_loss_rows
 
 FORMAT = "dspark.calibration"
 VERSION = 2  # 2 added per-position shifts; version-1 files (temperatures only) still load, with b = 0
@@ -156,13 +165,17 @@ class Calibration:
         return Calibration.from_dict(read_json(path, kind="calibration", error=CalibrationFormatError), path)
 
 
+def _score_rows(pred: np.ndarray, y: np.ndarray, n_bins: int, objective: str) -> np.ndarray:
+    return ece_rows(pred, y, n_bins) if objective == "ece" else log_loss_rows(pred, y)
+
+
 def _best_temperature(prev: np.ndarray, logit: np.ndarray, y: np.ndarray, n_bins: int,
-                      shift: float = 0.0) -> tuple[float, float]:
-    """argmin_T ECE(prev * σ(logit / T + shift), y) over the coarse grid, then a fine grid between its
-    neighbours -> (T, its ECE)."""
+                      shift: float = 0.0, objective: str = "ece") -> tuple[float, float]:
+    """argmin_T score(prev * σ(logit / T + shift), y) over the coarse grid, then a fine grid between its
+    neighbours -> (T, its score)."""
     grid = COARSE_GRID
     for _ in range(2):
-        e = ece_rows(prev[None, :] * sigmoid(logit[None, :] / grid[:, None] + shift), y, n_bins)
+        e = _score_rows(prev[None, :] * sigmoid(logit[None, :] / grid[:, None] + shift), y, n_bins, objective)
         i = int(np.argmin(e))  # first minimum: deterministic on plateaus
         best, best_e = float(grid[i]), float(e[i])
         lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, grid.size - 1)]
@@ -171,11 +184,11 @@ def _best_temperature(prev: np.ndarray, logit: np.ndarray, y: np.ndarray, n_bins
 
 
 def _best_temperature_and_shift(prev, logit, y, n_bins: int) -> tuple[float, float]:
-    """Shift on a grid (coarse, then between the best point's neighbours), the best T for each -> (T, b).
-    Ties go to the smallest |b|: no shift unless it lowers the ECE."""
+    """Shift on a grid (coarse, then between the best point's neighbours), the best T for each, by log loss
+    (module docstring) -> (T, b). Ties go to the smallest |b|."""
     grid = SHIFT_GRID[np.argsort(np.abs(SHIFT_GRID), kind="stable")]
     for _ in range(2):
-        fits = [(*_best_temperature(prev, logit, y, n_bins, float(b)), float(b)) for b in grid]
+        fits = [(*_best_temperature(prev, logit, y, n_bins, float(b), "log_loss"), float(b)) for b in grid]
         t, _, b = min(fits, key=lambda f: f[1])  # first minimum in |b| order
         step = float(np.abs(np.diff(np.sort(grid))).min())
         grid = np.concatenate([[b], np.linspace(b - step, b + step, 21)])
@@ -183,8 +196,9 @@ def _best_temperature_and_shift(prev, logit, y, n_bins: int) -> tuple[float, flo
 
 
 def fit_sts(logits, n_acc, *, n_bins: int = 15, shift: bool = False) -> Calibration:
-    """Fit STS on ``logits`` [N, γ] and ``n_acc`` [N]; returns temperatures (and shifts with ``shift=True``) plus
-    before/after metrics (in-sample; evaluate on held-out rounds with ``evaluate`` for an unbiased report)."""
+    """Fit STS on ``logits`` [N, γ] and ``n_acc`` [N]; returns temperatures (by ECE; with ``shift=True``,
+    temperatures and shifts by log loss) plus before/after metrics (in-sample; evaluate on held-out rounds with
+    ``evaluate`` for an unbiased report)."""
     L, y = _check_data(logits, n_acc)
     temps: list[float] = []
     shifts: list[float] = []

@@ -34,6 +34,14 @@ def ece_rows(pred: np.ndarray, y: np.ndarray, n_bins: int = 15) -> np.ndarray:
     return np.abs(sum_p - sum_y).reshape(g, n_bins).sum(axis=1) / n
 
 
+def log_loss_rows(pred: np.ndarray, y: np.ndarray, eps: float = 1e-9) -> np.ndarray:
+    """Mean negative log-likelihood of each row of ``pred`` [G, N] against ``y`` [N] -> [G]. A proper scoring
+    rule: unlike ECE it is not minimised by a constant prediction at the base rate (see calibration.py)."""
+    pred = np.clip(np.atleast_2d(np.asarray(pred, dtype=np.float64)), eps, 1.0 - eps)
+    y = np.asarray(y, dtype=np.float64)
+    return -(y * np.log(pred) + (1.0 - y) * np.log1p(-pred)).mean(axis=1)
+
+
 def ece(pred, y, n_bins: int = 15) -> float:
     """Expected calibration error with ``n_bins`` equal-width bins (fraction, not percent)."""
     return float(ece_rows(np.asarray(pred, dtype=np.float64)[None, :], y, n_bins)[0])

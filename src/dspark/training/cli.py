@@ -111,7 +111,7 @@ def cmd_train(args) -> int:
 
 
 def _cache_args(p, build: bool) -> None:
-    p.add_argument("--data", required=True, help="datagen output directory or .jsonl of conversations")
+    p.add_argument("--data", required=True, help="datagen output directory, or a .jsonl (.xz, .gz) of conversations")
     p.add_argument("--out", required=build, help="cache directory" + ("" if build else " (for the disk check)"))
     p.add_argument("--model", default=DEFAULT_MODEL, help="target model spec (default: %(default)s)")
     p.add_argument("--layers", default="", help="comma-separated target layers to capture (default: spread)")

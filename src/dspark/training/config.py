@@ -42,7 +42,7 @@ class DrafterSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    dataset: str = ""  # datagen output (directory or .jsonl); tokenised on load
+    dataset: str = ""  # datagen output (directory, .jsonl, .jsonl.xz or .jsonl.gz); tokenised on load
     cache: str = ""  # a target cache directory; empty = compute features online
     max_seq_len: int = 1024
     anchors_per_seq: int = 32

@@ -7,9 +7,15 @@ assistant produced (its content and the end-of-turn token that closes it).
 """
 from __future__ import annotations
 
+import gzip
 import json
+import lzma
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
+
+_OPENERS = {".xz": lzma.open, ".gz": gzip.open}
 
 
 class PromptFileError(ValueError):
@@ -54,27 +60,37 @@ def _parse(obj) -> tuple[list[str], str | None]:
     return turns, system
 
 
+def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text) of a JSONL file, plain or compressed (.xz, .gz: committed datasets stay
+    compressed on disk). A truncated or corrupt archive is an error that names the file, not a silent short read."""
+    path = Path(path)
+    try:
+        with _OPENERS.get(path.suffix, open)(path, "rt", encoding="utf-8") as f:
+            yield from enumerate(f, start=1)
+    except (EOFError, lzma.LZMAError, gzip.BadGzipFile, zlib.error) as exc:
+        raise ValueError(f"{path}: the compressed file is truncated or corrupt ({exc})") from None
+
+
 def read_prompts(path: str | Path, skip_bad: bool = False, limit: int = 0) -> tuple[list[PromptRecord], list[str]]:
     """-> (records, problems). Malformed lines raise PromptFileError naming their line numbers, unless
     skip_bad, in which case they are skipped and described in `problems`."""
     records, problems, seen = [], [], set()
-    with open(path, encoding="utf-8") as f:
-        for number, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-                turns, system = _parse(obj)
-                rid = str(obj.get("id", f"line-{number}"))
-                if rid in seen:
-                    raise ValueError(f"duplicate id {rid!r}")
-            except ValueError as exc:  # JSONDecodeError is a ValueError
-                problems.append(f"line {number}: {exc}")
-                continue
-            seen.add(rid)
-            records.append(PromptRecord(number, rid, tuple(turns), system, obj.get("source")))
-            if limit and len(records) >= limit:
-                break
+    for number, text in jsonl_lines(path):
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+            turns, system = _parse(obj)
+            rid = str(obj.get("id", f"line-{number}"))
+            if rid in seen:
+                raise ValueError(f"duplicate id {rid!r}")
+        except ValueError as exc:  # JSONDecodeError is a ValueError
+            problems.append(f"line {number}: {exc}")
+            continue
+        seen.add(rid)
+        records.append(PromptRecord(number, rid, tuple(turns), system, obj.get("source")))
+        if limit and len(records) >= limit:
+            break
     if problems and not skip_bad:
         shown = "; ".join(problems[:10]) + (f"; ... ({len(problems)} in all)" if len(problems) > 10 else "")
         raise PromptFileError(f"{path}: {len(problems)} malformed prompt line(s): {shown} "

@@ -18,7 +18,7 @@ import torch
 
 from ..models.layers import rms_norm
 from ..models.transformer import Segment, Transformer
-from .conversations import encode_conversation
+from .conversations import encode_conversation, jsonl_lines
 
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
@@ -47,38 +47,41 @@ class TokenizedData:
 
 
 def _data_file(path: Path) -> Path:
-    return path / "data.jsonl" if path.is_dir() else path
+    """A datagen directory's data.jsonl (or its compressed copy, data.jsonl.xz), else the file itself."""
+    if not path.is_dir():
+        return path
+    plain = path / "data.jsonl"
+    return plain if plain.exists() or not (path / "data.jsonl.xz").exists() else path / "data.jsonl.xz"
 
 
 def load_sequences(path: str | Path, tokenizer, max_seq_len: int, limit: int = 0) -> TokenizedData:
-    """datagen output (directory or .jsonl): lines with "messages" (chat-rendered with the tokenizer's template)
-    or pre-tokenised "input_ids" + "loss_mask". Skipped records and sequences too short to train on are dropped."""
+    """datagen output (directory, .jsonl, or .jsonl.xz / .gz): lines with "messages" (chat-rendered with the
+    tokenizer's template) or pre-tokenised "input_ids" + "loss_mask". Skipped records and sequences too short to train on are dropped."""
     ids_out, masks_out = [], []
-    with open(_data_file(Path(path)), encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            if not line.endswith("\n"):
-                break  # a record datagen is still writing (or was interrupted writing): not data yet
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
-            if rec.get("status", "ok") != "ok":
-                continue
-            if "input_ids" in rec:
-                ids, mask = rec["input_ids"][:max_seq_len], rec["loss_mask"][:max_seq_len]
-            elif "messages" in rec:
-                ids, mask = encode_conversation(tokenizer, rec["messages"], max_seq_len)
-            else:
-                raise ValueError(f"{path} line {number}: a record needs 'messages' or 'input_ids'")
-            if len(ids) != len(mask):
-                raise ValueError(f"{path} line {number}: input_ids and loss_mask differ in length")
-            if sum(mask) >= 2:  # an anchor and at least one target token
-                ids_out.append(torch.tensor(ids, dtype=torch.long))
-                masks_out.append(torch.tensor(mask, dtype=torch.bool))
-            if limit and len(ids_out) >= limit:
-                break
+    for number, line in jsonl_lines(_data_file(Path(path))):
+        if not line.strip():
+            continue
+        if not line.endswith("\n"):
+            break  # a record datagen is still writing (or was interrupted writing): not data yet
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
+        if rec.get("status", "ok") != "ok":
+            continue
+        if "input_ids" in rec:
+            ids, mask = rec["input_ids"][:max_seq_len], rec["loss_mask"][:max_seq_len]
+        elif "messages" in rec:
+            ids, mask = encode_conversation(tokenizer, rec["messages"], max_seq_len)
+        else:
+            raise ValueError(f"{path} line {number}: a record needs 'messages' or 'input_ids'")
+        if len(ids) != len(mask):
+            raise ValueError(f"{path} line {number}: input_ids and loss_mask differ in length")
+        if sum(mask) >= 2:  # an anchor and at least one target token
+            ids_out.append(torch.tensor(ids, dtype=torch.long))
+            masks_out.append(torch.tensor(mask, dtype=torch.bool))
+        if limit and len(ids_out) >= limit:
+            break
     return TokenizedData(ids_out, masks_out)
 
 
