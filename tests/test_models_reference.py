@@ -86,3 +86,24 @@ def test_sliding_window_is_exercised(kind, sliding):
     wrong = ours.forward(ids, [Segment(ours.new_cache(), 0, len(ids))]).logits
     assert rel_diff(wrong[:5], ref[:5]) < 1e-3  # inside the first window nothing changes
     assert rel_diff(wrong[6:], ref[6:]) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["llama", "qwen2_sliding"])
+def test_one_query_attention_equals_attention_over_every_head(kind, dtype):
+    """A one-token segment outside our C kernel attends its grouped query heads as rows of their kv head (a faster
+    torch path in bf16): the same numbers as attention with every head expanded, within the dtype's rounding."""
+    import torch.nn.functional as F
+
+    model = ours_from_hf(hf_model(kind))
+    c = model.config
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, c.num_heads, c.head_dim, generator=g).to(dtype)
+    keys, values = (torch.randn(1, c.num_kv_heads, 11, c.head_dim, generator=g).to(dtype) for _ in range(2))
+    for mask in (None, torch.arange(11)[None, :] >= 5):  # [1, T]: a sliding window's band
+        got = model._one_query_attention(q, keys, values, mask)
+        want = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
+                                              scale=c.query_scale, enable_gqa=True)[0].transpose(0, 1)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        assert got.shape == want.shape == (1, c.num_heads, c.head_dim)
+        assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
