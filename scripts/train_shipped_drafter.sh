@@ -39,9 +39,9 @@ continue_run runs/smollm2-dspark-long "$LONG_STEPS" runs/smollm2-dspark-more "$M
 .venv/bin/python -c "from dspark.training.train_log import plot_log as p; p('runs/smollm2-dspark-more/train_log.csv', 'results/training/smollm2-dspark-more-train.png')"
 [ "${SESSION33:-0}" = 1 ] || exit 0
 mkdir -p runs/cpu-s33
-[ -f runs/cpu-s33/train.jsonl ] || .venv/bin/python -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
-  results/training/gpu-s32/data.jsonl.xz runs/cpu-s33/train.jsonl
-"$DSPARK" train --config "$CFG" --no-progress --set data.dataset=runs/cpu-s33/train.jsonl --set data.cache= \
+# dspark train reads the committed .jsonl.xz as it is (session 33 trained on a decompressed copy: the same records)
+"$DSPARK" train --config "$CFG" --no-progress --set data.dataset=results/training/gpu-s32/data.jsonl.xz \
+  --set data.cache= \
   --set run.out_dir=runs/cpu-s33/dspark --set run.init_from=runs/smollm2-dspark-more/drafter \
   --set optim.max_steps="${S33_STEPS:-1287}" --set optim.lr=3e-4 --set optim.warmup_steps=20 \
   --set target.dtype=bfloat16 --set run.threads="$THREADS" --set run.log_every=10 --set run.ckpt_every=100 \

@@ -196,7 +196,8 @@ def run_bench_runtime(args) -> int:
 def run_bench_acceptance(args) -> int:
     from .bench.acceptance import AcceptanceConfig, run
 
-    run(AcceptanceConfig(model=args.model, dtype=args.dtype, drafters=tuple(args.drafters.split(",")), sets=tuple(args.sets.split(",")),
+    run(AcceptanceConfig(model=args.model, dtype=args.dtype, drafters=tuple(args.drafters.split(",")),
+                         sets=tuple(args.sets.split(",")),
                          per_set=args.limit, temperatures=tuple(float(t) for t in args.temperatures.split(",")),
                          gamma=args.gamma, max_new_tokens=args.max_new_tokens, batch=args.batch,
                          speed_prompts=args.speed_prompts, head_latency=args.head_latency, seed=args.seed,

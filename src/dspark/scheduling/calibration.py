@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -165,17 +166,13 @@ class Calibration:
         return Calibration.from_dict(read_json(path, kind="calibration", error=CalibrationFormatError), path)
 
 
-def _score_rows(pred: np.ndarray, y: np.ndarray, n_bins: int, objective: str) -> np.ndarray:
-    return ece_rows(pred, y, n_bins) if objective == "ece" else log_loss_rows(pred, y)
-
-
-def _best_temperature(prev: np.ndarray, logit: np.ndarray, y: np.ndarray, n_bins: int,
-                      shift: float = 0.0, objective: str = "ece") -> tuple[float, float]:
+def _best_temperature(prev: np.ndarray, logit: np.ndarray, y: np.ndarray, score, shift: float = 0.0
+                      ) -> tuple[float, float]:
     """argmin_T score(prev * σ(logit / T + shift), y) over the coarse grid, then a fine grid between its
-    neighbours -> (T, its score)."""
+    neighbours -> (T, its score). ``score``: [G, N] predictions, [N] outcomes -> [G]."""
     grid = COARSE_GRID
     for _ in range(2):
-        e = _score_rows(prev[None, :] * sigmoid(logit[None, :] / grid[:, None] + shift), y, n_bins, objective)
+        e = score(prev[None, :] * sigmoid(logit[None, :] / grid[:, None] + shift), y)
         i = int(np.argmin(e))  # first minimum: deterministic on plateaus
         best, best_e = float(grid[i]), float(e[i])
         lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, grid.size - 1)]
@@ -183,12 +180,12 @@ def _best_temperature(prev: np.ndarray, logit: np.ndarray, y: np.ndarray, n_bins
     return best, best_e
 
 
-def _best_temperature_and_shift(prev, logit, y, n_bins: int) -> tuple[float, float]:
+def _best_temperature_and_shift(prev, logit, y) -> tuple[float, float]:
     """Shift on a grid (coarse, then between the best point's neighbours), the best T for each, by log loss
     (module docstring) -> (T, b). Ties go to the smallest |b|."""
     grid = SHIFT_GRID[np.argsort(np.abs(SHIFT_GRID), kind="stable")]
     for _ in range(2):
-        fits = [(*_best_temperature(prev, logit, y, n_bins, float(b), "log_loss"), float(b)) for b in grid]
+        fits = [(*_best_temperature(prev, logit, y, log_loss_rows, float(b)), float(b)) for b in grid]
         t, _, b = min(fits, key=lambda f: f[1])  # first minimum in |b| order
         step = float(np.abs(np.diff(np.sort(grid))).min())
         grid = np.concatenate([[b], np.linspace(b - step, b + step, 21)])
@@ -204,8 +201,8 @@ def fit_sts(logits, n_acc, *, n_bins: int = 15, shift: bool = False) -> Calibrat
     shifts: list[float] = []
     prev = np.ones(L.shape[0])
     for k in range(L.shape[1]):
-        t, b = (_best_temperature_and_shift(prev, L[:, k], y[:, k], n_bins) if shift
-                else (_best_temperature(prev, L[:, k], y[:, k], n_bins)[0], 0.0))
+        t, b = (_best_temperature_and_shift(prev, L[:, k], y[:, k]) if shift
+                else (_best_temperature(prev, L[:, k], y[:, k], partial(ece_rows, n_bins=n_bins))[0], 0.0))
         temps.append(t)
         shifts.append(b)
         prev = prev * sigmoid(L[:, k] / t + b)

@@ -56,7 +56,8 @@ def _data_file(path: Path) -> Path:
 
 def load_sequences(path: str | Path, tokenizer, max_seq_len: int, limit: int = 0) -> TokenizedData:
     """datagen output (directory, .jsonl, or .jsonl.xz / .gz): lines with "messages" (chat-rendered with the
-    tokenizer's template) or pre-tokenised "input_ids" + "loss_mask". Skipped records and sequences too short to train on are dropped."""
+    tokenizer's template) or pre-tokenised "input_ids" + "loss_mask". Skipped records and sequences too short to
+    train on are dropped."""
     ids_out, masks_out = [], []
     for number, line in jsonl_lines(_data_file(Path(path))):
         if not line.strip():
