@@ -1,30 +1,39 @@
 """What one more request costs the target's forward at a fixed token count: B tokens as one request or as many.
 
-    .venv/bin/python scripts/segment_cost.py
+    .venv/bin/python scripts/segment_cost.py [--dtype bfloat16]
 
 Each request in a step is an attention segment with its own cache writes, key slices and (for more than one token)
 mask, so 16 requests of 1 token cost more than 1 request of 16 tokens. The speed profile models this
 (`SpeedProfile.segment_seconds`); this prints the raw medians it rests on, 300-token contexts, 9 interleaved repeats,
 for both attention paths side by side: the C kernel (one call per layer for all short segments,
 models/native_attention.py) and torch's per-request loop (the reference). With no kernel, the torch column only.
+The kernel takes only segments up to its dtype's limit (`native_attention.max_queries`; `--kernel-limit N` moves
+it, to find the crossover); longer ones go to torch in both columns.
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
 import torch
 
-from dspark.models import load_model
+from dspark.models import load_model, native_attention
 from dspark.models.transformer import Segment
 
 CONTEXT = 300
-CASES = {"1 x 1": [1], "1 x 4": [4], "1 x 8": [8], "2 x 4": [4, 4], "8 x 1": [1] * 8, "4 x 4": [4] * 4,
-         "1 x 16": [16], "16 x 1": [1] * 16, "1 x 64": [64], "16 x 4": [4] * 16}
+CASES = {"1 x 1": [1], "1 x 4": [4], "1 x 8": [8], "1 x 12": [12], "2 x 4": [4, 4], "8 x 1": [1] * 8,
+         "4 x 4": [4] * 4, "4 x 8": [8] * 4, "1 x 16": [16], "16 x 1": [1] * 16, "1 x 64": [64], "16 x 4": [4] * 16}
 
 
 def main() -> None:
-    model = load_model("smollm2-135m-instruct").model
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kernel-limit", type=int, help="longest segment the C kernel takes (default: the dtype's)")
+    args = ap.parse_args()
+    if args.kernel_limit:
+        native_attention.MAX_QUERIES = native_attention.MAX_QUERIES_BF16 = args.kernel_limit
+    model = load_model("smollm2-135m-instruct", dtype=args.dtype).model
     caches = []
     for _ in range(16):
         cache = model.new_cache(CONTEXT + 64)

@@ -9,6 +9,10 @@
  * the kernel slower than torch's for multi-token segments), and the weighted sum of values. Each task's sums run
  * in a fixed order, so a request's result depends neither on the other requests in the call nor on the thread
  * count.
+ * bf16 caches (a bf16 target): the same kernel reads and writes bf16 and computes in fp32 — each query row, key
+ * and value is widened as the task reads it (exact: bf16 is fp32's top half) and each output rounded to the nearest
+ * bf16, ties to even, as torch rounds. torch's per-request path cost more than the arithmetic in bf16 too (16
+ * one-token requests: 60 ms a step against 32 ms for one 16-token request, scripts/segment_cost.py).
  * No -ffast-math: IEEE arithmetic only. Built and loaded by models/native.py; wrapped by
  * models/native_attention.py (which checks it against torch at load).
  */
@@ -18,6 +22,8 @@
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef int v8i __attribute__((vector_size(32), aligned(4)));
+typedef unsigned short v8h __attribute__((vector_size(16), aligned(2)));
+typedef unsigned short bf16;
 
 #define CHUNK 4 /* queries per task: enough tasks to share a long segment between threads, keys still re-read little */
 
@@ -32,6 +38,31 @@ static inline float dot(const float *a, const float *b, long n) {
   float s = hsum(acc);
   for (long i = n8; i < n; i++) s += a[i] * b[i];
   return s;
+}
+
+/* dst[0..n) = the fp32 values of bf16 src (the bf16 bits are the top half of the fp32 ones). */
+static inline void widen(const bf16 *src, float *dst, long n) {
+  long i = 0;
+  for (; i + 8 <= n; i += 8) *(v8 *)(dst + i) = (v8)(__builtin_convertvector(*(const v8h *)(src + i), v8i) << 16);
+  for (; i < n; i++) {
+    const unsigned u = (unsigned)src[i] << 16;
+    memcpy(dst + i, &u, sizeof u);
+  }
+}
+
+/* fp32 -> the nearest bf16, ties to even; NaN stays a (quiet) NaN. */
+static inline bf16 narrow(float f) {
+  unsigned u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* A row of `hd` values at element `index` of an fp32 or bf16 array, as fp32: the row itself, or widened into buf. */
+static inline const float *row_f32(const void *base, long index, int is_bf16, float *buf, long hd) {
+  if (!is_bf16) return (const float *)base + index;
+  widen((const bf16 *)base + index, buf, hd);
+  return buf;
 }
 
 /* e^x for x <= 0, 8 lanes: x = n·ln2 + r with |r| <= ln2/2, e^r by Cephes' degree-7 polynomial for expf (within
@@ -72,24 +103,30 @@ static float exp_sum(float *row, long n, float m) {
   return s;
 }
 
-/* One task: queries i0..i1-1 of a segment, the query heads of KV head g. kc, vc: this layer's rows of head g. */
-static int attend_chunk(const float *q, long q_row, float *out, long out_row, long row0, long start, long i0,
-                        long i1, const float *kc, const float *vc, long g, long groups, long hd, long window,
-                        float scale, float softcap) {
+/* One task: queries i0..i1-1 of a segment, the query heads of KV head g. kc, vc: this layer's rows of head g; q,
+ * out, kc, vc are bf16 where is_bf16, else fp32 (strides and indices count elements either way). */
+static int attend_chunk(const void *q, long q_row, void *out, long out_row, long row0, long start, long i0, long i1,
+                        const void *kc, const void *vc, long g, long groups, long hd, long window, float scale,
+                        float softcap, int is_bf16) {
   const long first = window > 0 && start + i0 - window + 1 > 0 ? start + i0 - window + 1 : 0;
   const long end = start + i1;  /* query i sees keys lo(i) .. start+i, all inside first .. end-1 */
   const long span = end - first, nq = (i1 - i0) * groups;
   float *scores = malloc(sizeof(float) * (size_t)(nq * span));
   float *acc = calloc((size_t)(nq * hd), sizeof(float));
-  if (!scores || !acc) { free(scores); free(acc); return 1; }
+  float *qs = malloc(sizeof(float) * (size_t)(nq * hd + hd));  /* the task's query rows, then one key/value row */
+  if (!scores || !acc || !qs) { free(scores); free(acc); free(qs); return 1; }
+  float *kv_buf = qs + nq * hd;
+  for (long qi = 0; qi < nq; qi++) {
+    const long index = (row0 + i0 + qi / groups) * q_row + (g * groups + qi % groups) * hd;
+    memcpy(qs + qi * hd, row_f32(q, index, is_bf16, kv_buf, hd), sizeof(float) * (size_t)hd);
+  }
   for (long j = first; j < end; j++) {  /* each key read once for every query of the task */
-    const float *kj = kc + j * hd;
-    for (long i = i0; i < i1; i++)
-      for (long t = 0; t < groups; t++) {
-        float s = dot(q + (row0 + i) * q_row + (g * groups + t) * hd, kj, hd) * scale;
-        if (softcap > 0) s = tanhf(s / softcap) * softcap;
-        scores[((i - i0) * groups + t) * span + (j - first)] = s;
-      }
+    const float *kj = row_f32(kc, j * hd, is_bf16, kv_buf, hd);
+    for (long qi = 0; qi < nq; qi++) {
+      float s = dot(qs + qi * hd, kj, hd) * scale;
+      if (softcap > 0) s = tanhf(s / softcap) * softcap;
+      scores[qi * span + (j - first)] = s;
+    }
   }
   float total[nq];
   long lo[nq], hi[nq];
@@ -102,7 +139,7 @@ static int attend_chunk(const float *q, long q_row, float *out, long out_row, lo
     total[qi] = exp_sum(row + lo[qi], hi[qi] - lo[qi], m);
   }
   for (long j = 0; j < span; j++) {  /* each value read once */
-    const float *vj = vc + (first + j) * hd;
+    const float *vj = row_f32(vc, (first + j) * hd, is_bf16, kv_buf, hd);
     for (long qi = 0; qi < nq; qi++) {
       if (j < lo[qi] || j >= hi[qi]) continue;
       const float p = scores[qi * span + j];
@@ -111,36 +148,42 @@ static int attend_chunk(const float *q, long q_row, float *out, long out_row, lo
     }
   }
   for (long qi = 0; qi < nq; qi++) {
-    const long i = i0 + qi / groups, t = qi % groups;
-    float *o = out + (row0 + i) * out_row + (g * groups + t) * hd;
+    const long index = (row0 + i0 + qi / groups) * out_row + (g * groups + qi % groups) * hd;
     const float inv = 1.0f / total[qi];
-    for (long d = 0; d < hd; d++) o[d] = acc[qi * hd + d] * inv;
+    if (is_bf16)
+      for (long d = 0; d < hd; d++) ((bf16 *)out)[index + d] = narrow(acc[qi * hd + d] * inv);
+    else
+      for (long d = 0; d < hd; d++) ((float *)out)[index + d] = acc[qi * hd + d] * inv;
   }
   free(scores);
   free(acc);
+  free(qs);
   return 0;
 }
 
-/* q [N, H, hd], k_new/v_new [N, kvH, hd] with row strides q_row/k_row/v_row (floats; heads contiguous), out [N, H,
- * hd] with row stride out_row. seg: [7, n_seg] int64 rows: first row in q/out, start position, length, address of
- * the request's k cache [L, kvH, cap, hd], of its v cache, cap, unused. Returns the number of failed tasks (out of
- * memory), 0 on success. */
-int dspark_ragged_attention(const float *q, long q_row, const float *k_new, long k_row, const float *v_new,
-                            long v_row, float *out, long out_row, const long *seg, long n_seg, long layer, long H,
-                            long kvH, long hd, long window, float scale, float softcap, int threads) {
+/* q [N, H, hd], k_new/v_new [N, kvH, hd] with row strides q_row/k_row/v_row (elements; heads contiguous), out [N,
+ * H, hd] with row stride out_row; all of them and the caches fp32, or bf16 where is_bf16. seg: [7, n_seg] int64
+ * rows: first row in q/out, start position, length, address of the request's k cache [L, kvH, cap, hd], of its v
+ * cache, cap, unused. Returns the number of failed tasks (out of memory), 0 on success. */
+int dspark_ragged_attention(const void *q, long q_row, const void *k_new, long k_row, const void *v_new, long v_row,
+                            void *out, long out_row, const long *seg, long n_seg, long layer, long H, long kvH,
+                            long hd, long window, float scale, float softcap, int threads, int is_bf16) {
   const long *row0 = seg, *start = seg + n_seg, *len = seg + 2 * n_seg, *kaddr = seg + 3 * n_seg,
              *vaddr = seg + 4 * n_seg, *cap = seg + 5 * n_seg;
   const long groups = H / kvH;
+  const size_t esize = is_bf16 ? sizeof(bf16) : sizeof(float);
   long chunks = 0;
   for (long s = 0; s < n_seg; s++) chunks += (len[s] + CHUNK - 1) / CHUNK;
   long *chunk_seg = malloc(sizeof(long) * (size_t)(2 * chunks + 1)), *chunk_i0 = chunk_seg + chunks;
   if (!chunk_seg) return (int)(chunks * kvH);
   for (long s = 0, c = 0; s < n_seg; s++) {
-    float *kc = (float *)kaddr[s] + layer * kvH * cap[s] * hd, *vc = (float *)vaddr[s] + layer * kvH * cap[s] * hd;
+    char *kc = (char *)kaddr[s] + layer * kvH * cap[s] * hd * esize;
+    char *vc = (char *)vaddr[s] + layer * kvH * cap[s] * hd * esize;
     for (long i = 0; i < len[s]; i++)  /* the new rows first: a chunk reads keys of earlier chunks */
       for (long g = 0; g < kvH; g++) {
-        memcpy(kc + (g * cap[s] + start[s] + i) * hd, k_new + (row0[s] + i) * k_row + g * hd, hd * sizeof(float));
-        memcpy(vc + (g * cap[s] + start[s] + i) * hd, v_new + (row0[s] + i) * v_row + g * hd, hd * sizeof(float));
+        const long to = (g * cap[s] + start[s] + i) * hd;
+        memcpy(kc + to * esize, (const char *)k_new + ((row0[s] + i) * k_row + g * hd) * esize, hd * esize);
+        memcpy(vc + to * esize, (const char *)v_new + ((row0[s] + i) * v_row + g * hd) * esize, hd * esize);
       }
     for (long i0 = 0; i0 < len[s]; i0 += CHUNK, c++) chunk_seg[c] = s, chunk_i0[c] = i0;
   }
@@ -149,10 +192,9 @@ int dspark_ragged_attention(const float *q, long q_row, const float *k_new, long
   for (long task = 0; task < chunks * kvH; task++) {
     const long c = task / kvH, g = task % kvH, s = chunk_seg[c], i0 = chunk_i0[c];
     const long i1 = i0 + CHUNK < len[s] ? i0 + CHUNK : len[s];
-    const float *kc = (const float *)kaddr[s] + (layer * kvH + g) * cap[s] * hd;
-    const float *vc = (const float *)vaddr[s] + (layer * kvH + g) * cap[s] * hd;
-    failed += attend_chunk(q, q_row, out, out_row, row0[s], start[s], i0, i1, kc, vc, g, groups, hd, window, scale,
-                           softcap);
+    const size_t head = (size_t)((layer * kvH + g) * cap[s] * hd) * esize;
+    failed += attend_chunk(q, q_row, out, out_row, row0[s], start[s], i0, i1, (const char *)kaddr[s] + head,
+                           (const char *)vaddr[s] + head, g, groups, hd, window, scale, softcap, is_bf16);
   }
   free(chunk_seg);
   return failed;

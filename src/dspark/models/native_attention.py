@@ -6,7 +6,8 @@ that loop cost more than the attention itself (`scripts/segment_cost.py` prints 
 kernel writes each request's new keys and values into its own cache and attends over them, one task per
 (request, KV head), so the per-request KV layout (and its O(1) rollback) is unchanged.
 
-Used for segments of at most MAX_QUERIES tokens on fp32 CPU caches; longer segments (prefill chunks) keep torch's
+Used for segments of at most `max_queries(dtype)` tokens on fp32 or bf16 CPU caches (bf16 computed in fp32, each
+output rounded to bf16); longer segments (prefill chunks) keep torch's
 flash kernel, which is faster there. Like models/native.py: no compiler, a failed build or self-check, or
 `DSPARK_NATIVE=0` leave the torch path — slower, never wrong.
 """
@@ -25,9 +26,15 @@ from . import native
 log = logging.getLogger("dspark")
 SOURCE = Path(__file__).with_name("native_attention.c")
 MAX_QUERIES = 32  # beyond this a segment is a prefill chunk: torch's blocked flash kernel wins there
+# torch's bf16 flash kernel multiplies in bf16 and overtakes this one at fewer queries: one request of 8 tokens
+# took 24.8 vs 25.3 ms a SmolLM2 step, of 12 tokens 27.6 vs 31.3 ms; 16 requests of 1 token 62.0 vs 39.1 ms
+# (scripts/segment_cost.py --dtype bfloat16). Verification blocks of the default depth 7 are 8 tokens.
+MAX_QUERIES_BF16 = 8
 
 _L, _P = ctypes.c_long, ctypes.c_void_p
-_ARGTYPES = [_P, _L, _P, _L, _P, _L, _P, _L, _P, _L, _L, _L, _L, _L, _L, ctypes.c_float, ctypes.c_float, ctypes.c_int]
+_ARGTYPES = [_P, _L, _P, _L, _P, _L, _P, _L, _P, _L, _L, _L, _L, _L, _L, ctypes.c_float, ctypes.c_float, ctypes.c_int,
+             ctypes.c_int]
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def segment_table(caches: Sequence, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
@@ -41,14 +48,16 @@ def segment_table(caches: Sequence, rows: Sequence[int], starts: Sequence[int], 
 def attend(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
            layer: int, window: int | None, scale: float, softcap: float | None) -> None:
     """q [N, H, hd], k/v [N, kvH, hd] (row-strided views are fine, heads contiguous) -> out [N, H, hd] rows of the
-    table's segments; their new keys/values are written into the caches first."""
+    table's segments; their new keys/values are written into the caches first. All of them and the table's caches
+    share one dtype of DTYPES."""
     for t in (q, k, v, out):
-        if t.dtype != torch.float32 or t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
-            raise ValueError("the native attention kernel needs fp32 tensors with contiguous heads")
+        if t.dtype not in DTYPES or t.dtype != q.dtype or t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+            raise ValueError("the native attention kernel needs fp32 or bf16 tensors of one dtype with contiguous "
+                             "heads")
     n_seg = table.shape[1]
     failed = fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(),
                 out.stride(0), table.data_ptr(), n_seg, layer, q.shape[1], k.shape[1], q.shape[2], window or 0,
-                scale, softcap or 0.0, torch.get_num_threads())
+                scale, softcap or 0.0, torch.get_num_threads(), int(q.dtype == torch.bfloat16))
     if failed:
         raise MemoryError(f"native attention: {failed} of {n_seg * k.shape[1]} tasks could not allocate scratch")
 
@@ -71,21 +80,25 @@ def reference(q, k_cache, v_cache, start: int, length: int, window: int | None, 
 
 
 def _self_check(fn) -> bool:
-    """Against fp64 torch on awkward shapes (GQA, a window, a softcap, a head size not a multiple of 8)."""
+    """Against fp64 torch on awkward shapes (GQA, a window, a softcap, a head size not a multiple of 8), fp32 and
+    bf16 (whose outputs are within a bf16 rounding of the reference)."""
     g = torch.Generator().manual_seed(0)
-    for heads, kv_heads, hd, window, softcap in ((4, 2, 12, None, None), (6, 3, 16, 3, None), (2, 1, 8, None, 5.0)):
-        caches = [_Cache(torch.randn(2, kv_heads, 12, hd, generator=g), torch.randn(2, kv_heads, 12, hd, generator=g))
-                  for _ in range(2)]
+    cases = ((4, 2, 12, None, None, torch.float32), (6, 3, 16, 3, None, torch.float32),
+             (2, 1, 8, None, 5.0, torch.float32), (6, 2, 20, 4, None, torch.bfloat16))
+    for heads, kv_heads, hd, window, softcap, dtype in cases:
+        tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        caches = [_Cache(*(torch.randn(2, kv_heads, 12, hd, generator=g).to(dtype) for _ in "kv")) for _ in range(2)]
         starts, lengths = [5, 0], [3, 2]
         n = sum(lengths)
-        q, k, v = (torch.randn(n, h, hd, generator=g) for h in (heads, kv_heads, kv_heads))
-        out = torch.empty(n, heads, hd)
+        q, k, v = (torch.randn(n, h, hd, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+        out = torch.empty(n, heads, hd, dtype=dtype)
         table = segment_table(caches, [0, 3], starts, lengths)
         attend(fn, q, k, v, out, table, 1, window, hd ** -0.5, softcap)
         for c, row, start, length in zip(caches, [0, 3], starts, lengths):
-            want = reference(q[row:row + length], c.k[1], c.v[1], start, length, window, hd ** -0.5, softcap)
+            want = reference(q[row:row + length].float(), c.k[1].float(), c.v[1].float(), start, length, window,
+                             hd ** -0.5, softcap)
             written = torch.equal(c.k[1][:, start:start + length], k[row:row + length].transpose(0, 1))
-            if not written or not torch.allclose(out[row:row + length], want, rtol=1e-4, atol=1e-5):
+            if not written or not torch.allclose(out[row:row + length].float(), want, **tol):
                 return False
     return True
 
@@ -112,8 +125,14 @@ def kernel(cache_dir: str | None = None):
     return fn
 
 
+def max_queries(dtype: torch.dtype) -> int:
+    """The longest segment this kernel attends for caches of `dtype`; longer ones go to torch."""
+    return MAX_QUERIES_BF16 if dtype == torch.bfloat16 else MAX_QUERIES
+
+
 def usable(cache_dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and cache_dtype == torch.float32 and kernel() is not None
+    return device.type == "cpu" and cache_dtype in DTYPES and kernel() is not None
 
 
-__all__ = ["MAX_QUERIES", "attend", "kernel", "reference", "segment_table", "usable"]
+__all__ = ["DTYPES", "MAX_QUERIES", "MAX_QUERIES_BF16", "attend", "kernel", "max_queries", "reference", "segment_table",
+           "usable"]

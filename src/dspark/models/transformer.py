@@ -154,7 +154,8 @@ class Transformer:
         rows = [0]
         for s in segments[:-1]:
             rows.append(rows[-1] + s.length)
-        short = [self.native_attention and s.length <= native_attention.MAX_QUERIES for s in segments]
+        limit = native_attention.max_queries(self.dtype)
+        short = [self.native_attention and s.length <= limit for s in segments]
         native = [(r, s) for r, s, fast in zip(rows, segments, short) if fast]
         table = (native_attention.segment_table([s.cache for _, s in native], [r for r, _ in native],
                                                 [s.start for _, s in native], [s.length for _, s in native])
@@ -272,8 +273,8 @@ class Transformer:
         """q: [1, H, hd]; keys, values: [1, kvH, T, hd] -> [1, H, hd]. One query's H heads are kvH groups of H / kvH
         heads that read the same keys and share its one mask row, so they attend as rows of their kv head: torch's
         CPU attention takes a slow path for a single bf16 query with grouped heads (140 µs against 31 µs a layer
-        for SmolLM2 at 256 keys, a one-token bf16 step 23.2 -> 19.9 ms: scripts/one_query_attention_cost.py; fp32 goes
-        through our C kernel instead)."""
+        for SmolLM2 at 256 keys, a one-token bf16 step 23.2 -> 19.9 ms: scripts/one_query_attention_cost.py). Used
+        where our C kernel is not (no compiler, fp16)."""
         c = self.config
         group = c.num_heads // c.num_kv_heads
         qg = q.view(c.num_kv_heads, group, c.head_dim).unsqueeze(0)  # [1, kvH, H / kvH, hd]
