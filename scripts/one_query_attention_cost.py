@@ -3,7 +3,8 @@
 Times, for SmolLM2's shapes (9 query heads over 3 kv heads, head_dim 64, 257 keys), torch's attention of one query
 with grouped heads (`enable_gqa`, the path used until session 34) against the same query's heads attended as rows of
 their kv head (`Transformer._one_query_attention`), in fp32 and bf16; then the bf16 target's one-token step with
-each path (`--context` tokens cached). Medians; writes JSON + Markdown to --out.
+each path (`--context` tokens cached) and, where it could be built, with our C kernel, which attends bf16 caches
+since session 35. Medians; writes JSON + Markdown to --out.
 
     .venv/bin/python scripts/one_query_attention_cost.py --out results/one-query-attention-s34
 """
@@ -56,6 +57,7 @@ def step_rows(context: int, repeats: int) -> list[dict]:
         model.forward(token, [Segment(cache, context, 1)])
         cache.truncate(context)
 
+    kernel, model.native_attention = model.native_attention, False  # the torch paths first
     fast = model._one_query_attention
     out = [{"path": "rows of the kv head", "ms": median_us(step, repeats) / 1000}]
     # The old path: every one-token segment through torch's grouped-query attention.
@@ -64,6 +66,9 @@ def step_rows(context: int, repeats: int) -> list[dict]:
         enable_gqa=True)[0].transpose(0, 1)
     out.insert(0, {"path": "enable_gqa (before)", "ms": median_us(step, repeats) / 1000})
     model._one_query_attention = fast
+    if kernel:
+        model.native_attention = True
+        out.append({"path": "our C kernel", "ms": median_us(step, repeats) / 1000})
     return out
 
 

@@ -179,9 +179,12 @@ def test_bench_serve_simulates_the_measured_cells(tiny, tmp_path, monkeypatch):
     assert all(loop.requests_per_client == 3 and loop.output_spread == 0.25 for loop, _ in seen)
     # ... and, given the measured runs, each request as long as the measured one in its place
     seen.clear()
-    runs = [{**c, "repeat": 0, "output_lengths": [5, 0, 9] * c["concurrency"]} for c in cells]
+    runs = [{**c, "repeat": 0, "output_lengths": [5, 0, 9] * c["concurrency"],
+             "cached_prompt_tokens": [0, 30, 63] * c["concurrency"]} for c in cells]
     simulated(cfg, loaded, drafter, cells, prompt_mix=(64, 40), runs=runs)
     assert [loop.output_mix for loop, _ in seen] == [(5, 1, 9) * c["concurrency"] for c in cells]
+    # ... and copying as many prompt tokens from other requests' caches as it did
+    assert [loop.cached_mix for loop, _ in seen] == [(0, 30, 63) * c["concurrency"] for c in cells]
     assert all(c["sim_throughput_tok_s"] > 0 for c in cells)
     assert all(c["sim_mean_budget"] == 0 for c in cells if c["policy"] == "none")
     assert all(c["sim_mean_budget"] == 4 for c in cells if c["policy"] == "fixed-4")
@@ -408,3 +411,20 @@ def test_request_budget_runs_the_same_requests_for_every_policy(tiny, monkeypatc
     assert results[0]["throughput_tok_s"] > 0
     with pytest.raises(ValueError, match="request budget"):
         run_loops([ClosedLoop(loops[0].engine, prompts, 1, params)], seconds=None)
+
+
+def test_a_closed_loop_reports_the_prompt_tokens_each_request_copied(tiny):
+    """What the simulator replays: per request sent, in order, the prompt tokens it copied from another request's
+    cache instead of prefilling (a recurring 20-token prompt copies 19 once a donor holds it)."""
+    from dspark.bench.closed_loop import ClosedLoop, run_loops
+    from dspark.decoding import SamplingParams
+    from dspark.engine.engine import Engine, EngineConfig
+    from dspark.scheduling.registry import make_policy
+
+    _, loaded, _, _ = tiny
+    prompts = [list(range(5, 25)), list(range(30, 40))]  # 20 tokens (shareable), 10 (under the 16-token minimum)
+    engine = Engine(loaded.model, None, None, make_policy("none"), (), EngineConfig(gamma=4))
+    loop = ClosedLoop(engine, prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=3), limit=4)
+    result = run_loops([loop], seconds=None)[0]
+    assert result["cached_prompt_tokens"] == [0, 0, 19, 0]
+    assert len(result["output_lengths"]) == 4

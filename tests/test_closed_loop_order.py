@@ -58,7 +58,8 @@ class RecordingEngine:
     def add_request(self, prompt, params):
         from types import SimpleNamespace
 
-        req = SimpleNamespace(request_id=str(len(self.params)), finished=False, output=[1], rounds=1, accepted=0)
+        req = SimpleNamespace(request_id=str(len(self.params)), finished=False, output=[1], rounds=1, accepted=0,
+                              cached_tokens=0)
         self.params.append(params)
         self.live.append(req)
         return req

@@ -55,6 +55,7 @@ class ClosedLoop:
         self.clock = 0.0  # seconds this loop has spent stepping its engine
         self.arrival: dict[str, float] = {}  # request id -> clock at submission
         self.output_len: dict[str, int] = {}  # request id -> tokens it produced (set when it finishes), sent order
+        self.cached: dict[str, int] = {}  # request id -> prompt tokens it copied from another request's cache
         self.done: list[tuple] = []  # (request, clock at finish) since `start_measuring`
         self.live = [self._submit() for _ in range(min(concurrency, limit or concurrency))]
         self.first_wave = {r.request_id for r in self.live}
@@ -70,7 +71,7 @@ class ClosedLoop:
         req = self.engine.add_request(next(self.feed), params)
         self.sent += 1
         self.arrival[req.request_id] = self.clock
-        self.output_len[req.request_id] = 0
+        self.output_len[req.request_id] = self.cached[req.request_id] = 0
         return req
 
     def tick(self) -> None:
@@ -87,6 +88,7 @@ class ClosedLoop:
         self.clock += time.perf_counter() - t0
         self.done.extend((req, self.clock) for _, req in finished)
         self.output_len.update((req.request_id, len(req.output)) for _, req in finished)
+        self.cached.update((req.request_id, req.cached_tokens) for _, req in finished)
 
     @property
     def first_wave_finished(self) -> bool:
@@ -120,7 +122,8 @@ class ClosedLoop:
         step_s = s.step_seconds_total - step_s0
         models_s = s.forward_seconds_total - forward_s0 + s.drafter_seconds_total - drafter_s0
         self.output_len.update((r.request_id, len(r.output)) for r in self.live)  # cut short by the cell's end
-        lengths = list(self.output_len.values())
+        self.cached.update((r.request_id, r.cached_tokens) for r in self.live)
+        lengths, cached = list(self.output_len.values()), list(self.cached.values())
         for req in self.live:
             self.engine.abort(req.request_id)
         self.engine.step()  # reap the aborted requests
@@ -134,7 +137,7 @@ class ClosedLoop:
                 "overhead_fraction": max(0.0, 1 - models_s / step_s) if step_s else 0.0,
                 "drafter_fraction": (s.drafter_seconds_total - drafter_s0) / step_s if step_s else 0.0,
                 # every request sent, in order (the running ones cut short at the end): what the simulator replays
-                "output_lengths": lengths}
+                "output_lengths": lengths, "cached_prompt_tokens": cached}
 
 
 def run_loops(loops: list[ClosedLoop], seconds: float | None, warmup: float = 0.0, seed: int = 0) -> list[dict]:

@@ -236,7 +236,9 @@ def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_
     start, drain included, each as long as the measured run's request in that place: `output_lengths` of `runs`,
     since with a few long prompts the draws of the spread, and where a request met its EOS, move a cell by tens of
     per cent), new requests prefilling the benchmark's prompt lengths in turn (`prompt_mix`, rotated per repeat as
-    `rotated` does the prompts) in the shared forward, rounds replayed from `cfg.traces` (recorded with this
+    `rotated` does the prompts) in the shared forward, less the prompt tokens the measured request copied from
+    another's cache (`cached_prompt_tokens` of `runs`: the mix's 64 prompts recur within a cell, so with prefix reuse
+    most prompts after the first round cost no prefill), rounds replayed from `cfg.traces` (recorded with this
     drafter); medians over the repeats, as the measured cells."""
     from ..scheduling.simulator import ClosedLoop, simulate
     from ..scheduling.traces import AcceptanceTraces
@@ -251,10 +253,12 @@ def simulated(cfg: ServeBenchConfig, loaded, drafter, cells: list[dict], prompt_
             policy = build_policy(cell["policy"], drafter, cfg.model, cfg.dtype, loaded.model, cfg.gamma)
             measured = [r for r in runs if (r["policy"], r["concurrency"], r["repeat"]) ==
                         (cell["policy"], cell["concurrency"], rep)]
-            outputs = tuple(measured[0].get("output_lengths", ())) if measured and cfg.requests_per_client else ()
+            replay = measured[0] if measured and cfg.requests_per_client else {}
+            outputs, cached = (tuple(replay.get(k, ())) for k in ("output_lengths", "cached_prompt_tokens"))
             loop = ClosedLoop(cell["concurrency"], cfg.max_new_tokens, output_spread=cfg.length_spread,
                               prompt_mix=rotated(prompt_mix, rep, cfg.repeats),
-                              requests_per_client=cfg.requests_per_client, output_mix=tuple(max(1, n) for n in outputs))
+                              requests_per_client=cfg.requests_per_client, output_mix=tuple(max(1, n) for n in outputs),
+                              cached_mix=cached)
             sims.append(simulate(profile, traces, policy, loop, seed=0, prefill_chunk=EngineConfig().prefill_chunk))
         cell.update({f"sim_{k}": median([getattr(r, attr) for r in sims]) for k, attr in (
             ("throughput_tok_s", "throughput_tps"), ("per_user_tok_s", "per_user_tps"), ("mean_budget", "mean_budget"),

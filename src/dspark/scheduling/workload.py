@@ -5,7 +5,8 @@ sweeps) or, with ``requests_per_client``, the benchmark's cell: C clients starti
 each finished request until C × that many have been sent, the cell ending with the last one (the drain with fewer
 than C running is part of what `dspark bench serve` measures). ``Poisson`` is an open loop. ``Requests`` is the
 state a run carries: per running request, the tokens it still has to emit, the prompt tokens still to prefill and
-the tokens of context it holds (what attention costs grow with).
+the tokens of context it holds (what attention costs grow with). A prompt's tokens copied from another request's
+cache (prompt-prefix reuse, `cached_mix`) are context but are not prefilled.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class ClosedLoop:
     output_spread: float = 0.0  # a request's output length: round(output_tokens · u), u ~ U[1 − s, 1 + s]
     requests_per_client: int = 0  # > 0: C × this many requests in all from a cold start, then the drain
     output_mix: tuple[int, ...] = ()  # output lengths new requests take in turn (instead of output_tokens, spread)
+    cached_mix: tuple[int, ...] = ()  # prompt tokens new requests copy instead of prefilling, in turn
 
     def __post_init__(self):
         if self.concurrency < 1 or self.output_tokens < 1 or self.requests_per_client < 0:
@@ -48,6 +50,7 @@ class Poisson:
     prompt_mix: tuple[int, ...] = ()
     output_spread: float = 0.0
     output_mix: tuple[int, ...] = ()
+    cached_mix: tuple[int, ...] = ()
 
 
 Arrival = Union[ClosedLoop, Poisson]
@@ -55,8 +58,8 @@ Arrival = Union[ClosedLoop, Poisson]
 
 class Requests:
     """The running requests of one simulated run, in arrival order: ``remaining`` [R] tokens to emit,
-    ``prefill`` [R] prompt tokens still to prefill, ``context`` [R] prompt and output tokens so far (whole prompts:
-    a decoding request's context is what it is priced at). Lengths come from their own seeded stream, so the simulator's
+    ``prefill`` [R] prompt tokens still to prefill, ``context`` [R] prompt and output tokens so far (whole prompts,
+    copied prefixes included: a decoding request's context is what it is priced at). Lengths come from their own seeded stream, so the simulator's
     round draws stay aligned across policies."""
 
     def __init__(self, arrival: Arrival, rng: np.random.Generator, seed: int = 0):
@@ -68,6 +71,9 @@ class Requests:
         self._outputs = np.asarray(arrival.output_mix, dtype=np.int64)
         if self._outputs.ndim != 1 or (self._outputs < 1).any():
             raise ValueError(f"output lengths must be integers >= 1, got {arrival.output_mix!r}")
+        self._cached = np.asarray(arrival.cached_mix, dtype=np.int64)
+        if self._cached.ndim != 1 or (self._cached < 0).any():
+            raise ValueError(f"copied prompt tokens must be integers >= 0, got {arrival.cached_mix!r}")
         self.closed = isinstance(arrival, ClosedLoop)
         # requests to send in all (0: no end, the steady state)
         self._budget = arrival.requests_per_client * arrival.concurrency if self.closed else 0
@@ -77,8 +83,7 @@ class Requests:
             self.prefill = np.zeros(arrival.concurrency, dtype=np.int64)
             self.context = int(mix.mean()) + arrival.output_tokens - self.remaining  # mid-decode
         elif self.closed:  # the benchmark's cold start: every client sends its first request at once
-            self.remaining, self.prefill = self._new(arrival.concurrency)
-            self.context = self.prefill.copy()
+            self.remaining, self.prefill, self.context = self._new(arrival.concurrency)
         else:
             self.remaining = self.prefill = self.context = np.empty(0, dtype=np.int64)
         self._sent = self.remaining.size
@@ -87,8 +92,9 @@ class Requests:
         self._joined = 0
         self.start = float(self._arrivals[0]) if self._arrivals.size else 0.0
 
-    def _new(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(output lengths, prompt lengths) of n new requests: the prompt mix in turn."""
+    def _new(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(output lengths, prompt tokens to prefill, prompt lengths) of n new requests: the mixes in turn; a request
+        prefills at least its last prompt token (its logits give the first output token), as the engine does."""
         out, spread = self.arrival.output_tokens, self.arrival.output_spread
         lengths = np.full(n, out, dtype=np.int64) if not spread else np.maximum(
             1, np.rint(out * self._lengths.uniform(1 - spread, 1 + spread, size=n))).astype(np.int64)
@@ -96,8 +102,10 @@ class Requests:
         if self._outputs.size:
             lengths = self._outputs[turn % self._outputs.size]
         prompts = self._mix[turn % self._mix.size]
+        prefill = prompts if not self._cached.size else np.minimum(prompts, np.maximum(
+            prompts - self._cached[turn % self._cached.size], 1))
         self._next_prompt += n
-        return lengths, prompts
+        return lengths, prefill, prompts
 
     def admit(self, t: float, steps: int) -> float | None:
         """Before a step at time t: let arrivals up to t join (open loop); the time the step starts (later when
@@ -105,9 +113,9 @@ class Requests:
         if self.closed:
             return None if (self.remaining.size == 0 if self._budget else steps >= self.arrival.n_steps) else t
         n_new = int(np.searchsorted(self._arrivals, t, side="right")) - self._joined
-        lengths, prompts = self._new(n_new)
+        lengths, prefill, prompts = self._new(n_new)
         self.remaining = np.concatenate([self.remaining, lengths])
-        self.prefill = np.concatenate([self.prefill, prompts])
+        self.prefill = np.concatenate([self.prefill, prefill])
         self.context = np.concatenate([self.context, prompts])
         self._joined += n_new
         if self.remaining.size:
@@ -126,8 +134,7 @@ class Requests:
         if self.closed:  # the first finished requests are replaced while the budget lasts
             n_again = int(done.sum()) if not self._budget else min(int(done.sum()), self._budget - self._sent)
             again = np.flatnonzero(done)[:n_again]
-            self.remaining[again], self.prefill[again] = self._new(n_again)
-            self.context[again] = self.prefill[again]
+            self.remaining[again], self.prefill[again], self.context[again] = self._new(n_again)
             self._sent += n_again
             keep[again] = True
         self.remaining, self.prefill, self.context = self.remaining[keep], self.prefill[keep], self.context[keep]
