@@ -134,7 +134,7 @@ def test_projection_benchmark_command_saves_the_rows_asked_for(monkeypatch, tmp_
     from helpers import hf_model, ours_from_hf
 
     model = ours_from_hf(hf_model("llama"), fast_kernels=True)
-    monkeypatch.setattr(loader, "load_model", lambda name: types.SimpleNamespace(model=model))
+    monkeypatch.setattr(loader, "load_model", lambda name, dtype: types.SimpleNamespace(model=model))
     kernels.main(["--rows", "1,3", "--repeats", "2", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "kernels.json").read_text())
     assert sorted({r["rows"] for r in saved["results"]}) == [1, 3] and "cpu" in saved["machine"]

@@ -7,6 +7,7 @@ comes to the machine's memory bandwidth, which bounds batch-1 decoding. Alone (t
 moves with the VM's phase, and this table is the quick way to see where it is):
 
     .venv/bin/python -m dspark.bench.kernels --rows 1,2,3,4,8 --out results/kernels-s19
+    .venv/bin/python -m dspark.bench.kernels --dtype bfloat16 --rows 1,2,4,8,16  # bf16 weights: torch, oneDNN (ours is fp32)
 
 `--compare-source FILE.c` adds another build of `dspark_linear` (e.g. an earlier version from git, built with the
 flags it was built with then) to the same interleaved rounds, so two versions of our kernel meet in one run.
@@ -46,7 +47,7 @@ def _kernels(projs, compare: str | None = None) -> dict:
     out = {"torch linear": lambda p, x: F.linear(x, p.weight, p.bias)}
     if all(p.packed is not None for p in projs):
         out["oneDNN packed"] = lambda p, x: torch.ops.mkldnn._linear_pointwise(x, p.packed, p.bias, "none", [], "")
-    if native.kernel() is not None and all(native.usable(p.weight) for p in projs):
+    if all(native.usable(p.weight) for p in projs):
         out["native (ours)"] = lambda p, x: native.linear(x, p.weight, p.bias)
         if compare:
             out[f"native ({Path(compare).stem})"] = _compare_kernel(compare)
@@ -86,17 +87,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=None, help="directory for kernels.json and kernels.md")
-    ap.add_argument("--compare-source", default=None, help="another native_linear.c to time beside ours")
+    ap.add_argument("--compare-source", default=None, help="another native_linear.c to time beside ours (fp32)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
     args = ap.parse_args(argv)
     rows = tuple(int(r) for r in args.rows.split(","))
     if not rows or min(rows) < 1:
         ap.error(f"--rows needs positive row counts, got {args.rows!r}")
-    model = load_model(args.model).model
+    if args.compare_source and args.dtype != "float32":
+        ap.error("--compare-source times fp32 builds only")
+    model = load_model(args.model, dtype=args.dtype).model
     results = projection_kernels(model, repeats=args.repeats, rows=rows, compare=args.compare_source)
     if args.out:
         table = markdown_table(["kernel", "rows", "ms", "GB/s"], [[r["kernel"], r["rows"], 1e3 * r["seconds"],
                                                                    r["gb_per_s"]] for r in results])
-        write_results(Path(args.out), "kernels", {"machine": machine_info(), "model": args.model,
+        write_results(Path(args.out), "kernels", {"machine": machine_info(), "model": args.model, "dtype": args.dtype,
                                                   "compare_source": args.compare_source, "results": results},
                       table + "\n")
 
