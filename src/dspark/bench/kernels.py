@@ -7,7 +7,7 @@ comes to the machine's memory bandwidth, which bounds batch-1 decoding. Alone (t
 moves with the VM's phase, and this table is the quick way to see where it is):
 
     .venv/bin/python -m dspark.bench.kernels --rows 1,2,3,4,8 --out results/kernels-s19
-    .venv/bin/python -m dspark.bench.kernels --dtype bfloat16 --rows 1,2,4,8,16  # bf16 weights: torch, oneDNN (ours is fp32)
+    .venv/bin/python -m dspark.bench.kernels --dtype bfloat16 --rows 1,2,4,8,16  # torch and oneDNN only
 
 `--compare-source FILE.c` adds another build of `dspark_linear` (e.g. an earlier version from git, built with the
 flags it was built with then) to the same interleaved rounds, so two versions of our kernel meet in one run.

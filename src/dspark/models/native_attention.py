@@ -7,9 +7,9 @@ kernel writes each request's new keys and values into its own cache and attends 
 (request, KV head), so the per-request KV layout (and its O(1) rollback) is unchanged.
 
 Used for segments of at most `max_queries(dtype)` tokens on fp32 or bf16 CPU caches (bf16 computed in fp32, each
-output rounded to bf16); longer segments (prefill chunks) keep torch's
-flash kernel, which is faster there. Like models/native.py: no compiler, a failed build or self-check, or
-`DSPARK_NATIVE=0` leave the torch path — slower, never wrong.
+output rounded to bf16); longer segments (prefill chunks) keep torch's flash kernel, which is faster there. Like
+models/native.py: no compiler, a failed build or self-check, or `DSPARK_NATIVE=0` leave the torch path — slower,
+never wrong.
 """
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ from . import native
 log = logging.getLogger("dspark")
 SOURCE = Path(__file__).with_name("native_attention.c")
 MAX_QUERIES = 32  # beyond this a segment is a prefill chunk: torch's blocked flash kernel wins there
-# torch's bf16 flash kernel multiplies in bf16 and overtakes this one at fewer queries: one request of 8 tokens
-# took 24.8 vs 25.3 ms a SmolLM2 step, of 12 tokens 27.6 vs 31.3 ms; 16 requests of 1 token 62.0 vs 39.1 ms
-# (scripts/segment_cost.py --dtype bfloat16). Verification blocks of the default depth 7 are 8 tokens.
+# torch's bf16 flash kernel multiplies in bf16 and overtakes this one at fewer queries. SmolLM2 steps, torch vs
+# this kernel: one request of 8 tokens 24.6 vs 24.6 ms, of 12 tokens 28.1 vs 30.0 ms, of 16 tokens 31.1 vs 35.0 ms;
+# 16 requests of 1 token 65.5 vs 42.3 ms (`scripts/segment_cost.py --dtype bfloat16 --kernel-limit 32`,
+# results/segment-cost-s35). Verification blocks of the default depth 7 are 8 tokens.
 MAX_QUERIES_BF16 = 8
 
 _L, _P = ctypes.c_long, ctypes.c_void_p

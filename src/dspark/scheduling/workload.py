@@ -59,8 +59,8 @@ Arrival = Union[ClosedLoop, Poisson]
 class Requests:
     """The running requests of one simulated run, in arrival order: ``remaining`` [R] tokens to emit,
     ``prefill`` [R] prompt tokens still to prefill, ``context`` [R] prompt and output tokens so far (whole prompts,
-    copied prefixes included: a decoding request's context is what it is priced at). Lengths come from their own seeded stream, so the simulator's
-    round draws stay aligned across policies."""
+    copied prefixes included: a decoding request's context is what it is priced at). Lengths come from their own
+    seeded stream, so the simulator's round draws stay aligned across policies."""
 
     def __init__(self, arrival: Arrival, rng: np.random.Generator, seed: int = 0):
         self.arrival, self._lengths = arrival, np.random.default_rng([seed, 1])
