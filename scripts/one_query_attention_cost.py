@@ -12,26 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from dspark.bench.common import median_seconds
 from dspark.models.loader import load_model
 from dspark.models.transformer import Segment
 
 
 def median_us(fn, repeats: int) -> float:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+    return 1e6 * median_seconds(fn, repeats, warmup=20)
 
 
 def kernel_rows(repeats: int) -> list[dict]:

@@ -18,7 +18,7 @@ from ..engine.engine import Engine, EngineConfig
 from ..generate import prompt_ids
 from ..models import load_model
 from ..scheduling.registry import make_policy
-from .common import DOMAINS, load_bench_prompts, machine_info, markdown_table, median, write_results
+from .common import DOMAINS, load_bench_prompts, machine_info, markdown_table, median, median_seconds, write_results
 
 ALL_SETS = tuple(DOMAINS)
 
@@ -150,13 +150,7 @@ def head_latency(loaded, drafter, ids: list[int], repeats: int = 20) -> dict | N
     drafter.observe(request, out.hidden, len(ids))
 
     def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return median(times) * 1000
+        return median_seconds(fn, repeats) * 1000
 
     with_head = timed(lambda: drafter.propose([request]))
     without = with_head

@@ -55,6 +55,18 @@ def median(values) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
+def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of `repeats` calls of fn, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     def fmt(v):
         return f"{v:.3g}" if isinstance(v, float) else str(v)

@@ -182,7 +182,7 @@ def profile_key(model_id: str, dtype: str, drafter_id: str, model: Transformer) 
     if fp32 and native.kernel() is not None:
         rows = "" if not model.lm_head.native else f"<={model.lm_head.native_rows}"
         used.append(f"native@{native.source_hash()[:8]}{rows}")
-    if dtype in ("float32", "bfloat16") and native_attention.kernel() is not None:
+    if native_attention.usable(model.dtype, model.device):
         used.append("attention")
     kernels = "+".join(used) or "torch"
     return ProfileKey(model_id=model_id, drafter_id=drafter_id, machine=current_machine(), dtype=dtype,

@@ -111,19 +111,21 @@ static int attend_chunk(const void *q, long q_row, void *out, long out_row, long
   const long first = window > 0 && start + i0 - window + 1 > 0 ? start + i0 - window + 1 : 0;
   const long end = start + i1;  /* query i sees keys lo(i) .. start+i, all inside first .. end-1 */
   const long span = end - first, nq = (i1 - i0) * groups;
-  float *scores = malloc(sizeof(float) * (size_t)(nq * span));
+  /* bf16: the scores are followed by the task's widened query rows and one widened key/value row */
+  const long widened = is_bf16 ? nq * hd + hd : 0;
+  float *scores = malloc(sizeof(float) * (size_t)(nq * span + widened));
   float *acc = calloc((size_t)(nq * hd), sizeof(float));
-  float *qs = malloc(sizeof(float) * (size_t)(nq * hd + hd));  /* the task's query rows, then one key/value row */
-  if (!scores || !acc || !qs) { free(scores); free(acc); free(qs); return 1; }
-  float *kv_buf = qs + nq * hd;
+  if (!scores || !acc) { free(scores); free(acc); return 1; }
+  float *kv_buf = is_bf16 ? scores + nq * span + nq * hd : NULL;
+  const float *qs[nq];  /* fp32: the query rows in place */
   for (long qi = 0; qi < nq; qi++) {
     const long index = (row0 + i0 + qi / groups) * q_row + (g * groups + qi % groups) * hd;
-    memcpy(qs + qi * hd, row_f32(q, index, is_bf16, kv_buf, hd), sizeof(float) * (size_t)hd);
+    qs[qi] = row_f32(q, index, is_bf16, is_bf16 ? scores + nq * span + qi * hd : NULL, hd);
   }
   for (long j = first; j < end; j++) {  /* each key read once for every query of the task */
     const float *kj = row_f32(kc, j * hd, is_bf16, kv_buf, hd);
     for (long qi = 0; qi < nq; qi++) {
-      float s = dot(qs + qi * hd, kj, hd) * scale;
+      float s = dot(qs[qi], kj, hd) * scale;
       if (softcap > 0) s = tanhf(s / softcap) * softcap;
       scores[qi * span + (j - first)] = s;
     }
@@ -157,7 +159,6 @@ static int attend_chunk(const void *q, long q_row, void *out, long out_row, long
   }
   free(scores);
   free(acc);
-  free(qs);
   return 0;
 }
 
