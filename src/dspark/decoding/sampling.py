@@ -170,7 +170,7 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
+    logits = _tempered(logits, params.temperature)
     if params.min_p > 0:
         # p < min_p · p_max  <=>  logit < max logit + log(min_p): no softmax needed (exp is monotone)
         floor = logits.amax(-1, keepdim=True) + math.log(params.min_p)  # [..., 1]
@@ -182,6 +182,12 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1:
         probs = _top_p(probs, params.top_p)
     return probs
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature; at temperature 1 the logits themselves (x / 1 is x, bit for bit), which saves a pass
+    over every row (callers never write into the result)."""
+    return logits if temperature == 1.0 else logits / temperature
 
 
 TOP_P_CANDIDATES = (256, 4096)  # most likely tokens ranked before the whole row is sorted

@@ -80,7 +80,7 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
     accepted = torch.where(stopped, _leading_false(stop_hit) + 1, accepted)
 
     rows = torch.arange(R)
-    p_next = target_probs[rows, accepted]  # [R, V] (a copy): residual base (rejected) or bonus distribution
+    p_next = _next_rows(target_probs, accepted)  # [R, V]: residual base (rejected) or bonus distribution
     rej = (accepted < num_draft).nonzero().squeeze(-1)  # [J] the rows that rejected a draft
     if len(rej):
         at = accepted[rej]  # the rejected slot of each
@@ -97,6 +97,14 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
     next_token = sample_from(p_next, u_next)
     next_token = torch.where(stopped, torch.full_like(next_token, -1), next_token)
     return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
+
+
+def _next_rows(target_probs: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """[R, V] row accepted[r] of each request's target distributions: a copy, which the residual overwrites, or
+    with no drafts verified (one row each, nothing to reject) the rows themselves, which are only read."""
+    if target_probs.shape[1] == 1:
+        return target_probs[:, 0].contiguous()
+    return target_probs[torch.arange(target_probs.shape[0]), accepted]
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_draft: torch.Tensor,
