@@ -133,7 +133,7 @@ def test_bf16_engine_greedy_equals_plain_up_to_one_ulp_ties(smollm2_bf16, bench_
     against one-request plain decoding in bf16. The LM head's logits are rounded to bf16, and oneDNN rounds a
     one-row product and an n-row one differently, so an exact tie or a one-ulp gap can flip between the two runs:
     every divergence must be such a tie, the two tokens within one bf16 ulp of each other in both runs, never a
-    real difference (session 36 saw 8 of 16 prompts diverge, each at a gap of 0 or exactly one ulp)."""
+    real difference (when written, 2 of the 8 diverged, each at a gap of 0 in one run and one ulp in the other)."""
     from dspark.engine.engine import Engine, EngineConfig
     from dspark.scheduling.registry import make_policy
 
