@@ -1,7 +1,8 @@
 """Would drafting from a sharper or flatter q raise acceptance at T = 1? (It would stay lossless: verification
 takes whatever q the drafts were sampled from.)
 
-    .venv/bin/python scripts/draft_sharpness.py --prompts .dev/heldout.jsonl --limit 40 --out results/draft-sharpness-s36
+    .venv/bin/python scripts/draft_sharpness.py --prompts .dev/heldout.jsonl --limit 40 \
+        --out results/draft-sharpness-s36
 
 Runs the shipped DSpark drafter with every draft verified (γ = 7, T = 1) on held-out prompts, and at every slot a
 round reached records the drafter's logits (Markov bias included) and the target's distribution there. Slot k's
@@ -78,10 +79,12 @@ def main() -> None:
     dspark_module.draw = draw
     rows = [{"slot": k, "reached": len(v), **{f"beta_{b}": round(float(m), 4) for b, m in zip(BETAS, np.mean(v, 0))}}
             for k, v in sorted(overlap.items()) if len(v) >= 20]
-    lines = [f"# Acceptance chance at each slot when drafting from q^β (T = 1, {len(texts)} prompts of {args.prompts})",
+    title = f"Acceptance chance at each slot when drafting from q^β (T = 1, {len(texts)} prompts of {args.prompts})"
+    lines = [f"# {title}",
              "", "| slot | reached | " + " | ".join(f"β = {b}" for b in BETAS) + " |",
              "|---|---|" + "---|" * len(BETAS)]
-    lines += [f"| {r['slot']} | {r['reached']} | " + " | ".join(str(r[f'beta_{b}']) for b in BETAS) + " |" for r in rows]
+    lines += [f"| {r['slot']} | {r['reached']} | " + " | ".join(str(r[f"beta_{b}"]) for b in BETAS) + " |"
+              for r in rows]
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)

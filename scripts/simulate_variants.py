@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/simulate_variants.py --out results/sim-variants-s25
     .venv/bin/python scripts/simulate_variants.py --variants async,async:confirm=1 --concurrency 4 --seeds 3
-    .venv/bin/python scripts/simulate_variants.py --concurrency 1,2 --keep 0.85 --traces results/calibration-s34/traces.npz
+    .venv/bin/python scripts/simulate_variants.py --concurrency 1,2 --keep 0.85 \
+        --traces results/calibration-s34/traces.npz
 
 `--keep S` replays traffic on which the calibrated confidences are over-confident: each accepted draft of a
 recorded round stays accepted with probability S (slot j's with S^j, since acceptance is left to right), the

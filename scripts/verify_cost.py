@@ -90,7 +90,8 @@ def main() -> None:
                     slow = run(a, 7)
                     before = timed(a, args.calls, args.repeats)
                 after = timed(a, args.calls, args.repeats)
-                same = all(torch.equal(getattr(fast, f), getattr(slow, f)) for f in ("accepted", "next_token", "stopped"))
+                same = all(torch.equal(getattr(fast, f), getattr(slow, f))
+                           for f in ("accepted", "next_token", "stopped"))
                 rows.append({"top_p": top_p, "requests": R, "drafts": k, "before_ms": round(before, 3),
                              "after_ms": round(after, 3), "ratio": round(after / before, 3), "same_tokens": same})
                 print(rows[-1], flush=True)
