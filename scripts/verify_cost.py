@@ -5,7 +5,7 @@
 `verify_requests` as the engine calls it: R requests, each verifying k drafts (k + 1 rows of a 49,152-token
 vocabulary, the requests' rows in order in one logits tensor), every request at the same temperature. Three paths
 are switched off together for the baseline (mock.patch, as before session 36): a temperature of 1 divided anyway
-(`sampling._tempered`), the requests' rows concatenated and copied into a padded buffer (`batch._one_run`), and the
+(`sampling._tempered`), the requests' rows concatenated and copied into a padded buffer (`batch._table_run`), and the
 bonus rows gathered into a copy when no draft was verified (`verify._next_rows`). Both paths are timed in turn,
 medians over `--repeats` runs of `--calls` calls each, and must pick the same tokens (they compute the same bits).
 """
@@ -32,7 +32,7 @@ verify = importlib.import_module("dspark.decoding.verify")  # the module; the pa
 def baseline_patches() -> ExitStack:
     stack = ExitStack()
     stack.enter_context(mock.patch.object(sampling, "_tempered", lambda x, t: x / t))
-    stack.enter_context(mock.patch.object(batch, "_one_run", lambda blocks, width: None))
+    stack.enter_context(mock.patch.object(batch, "_table_run", lambda *args: None))
     stack.enter_context(mock.patch.object(verify, "_next_rows",
                                           lambda p, acc: p[torch.arange(p.shape[0]), acc]))
     return stack

@@ -231,36 +231,36 @@ def test_shared_to_probs_calls_give_each_request_its_own_bits(two_threads):
                                     SamplingParams(temperature=1.3, min_p=0.05)])
 def test_rows_of_one_logits_tensor_skip_the_copies_and_keep_their_bits(two_threads, params):
     """The engine's case: every request verifies the same number of drafts and its rows follow the one before it
-    in one logits tensor. Verification then views them in place (batch._one_run), with no cat and no padded copy:
-    the distributions, and so the tokens, are the copying path's bit for bit. Rows that do not form such a run
-    (ragged, out of order, another tensor) take the copying path."""
+    in the logits tensor it passes as `table`. Verification then processes them in place (batch._table_run), with
+    no cat and no padded copy: the distributions, and so the tokens, are the copying path's bit for bit. Rows that
+    do not form such a run (ragged, out of order, no table) take the copying path."""
     from unittest import mock
 
     from dspark.decoding import batch
-    from dspark.decoding.batch import _one_run, _sampled_rows, verify_requests
+    from dspark.decoding.batch import _sampled_rows, _table_run, verify_requests
 
     g = torch.Generator().manual_seed(2)
+    everyone = list(range(6))
     for width in (0, 3):
         table = torch.randn(6 * (width + 1), 49_152, generator=g) * 3
-        blocks = [table[r * (width + 1): (r + 1) * (width + 1)] for r in range(6)]
-        assert _one_run(blocks, width) is not None
+        starts = [r * (width + 1) for r in everyone]
+        blocks = [table[s: s + width + 1] for s in starts]
+        run = _table_run((table, starts), blocks, everyone, width)
+        assert run is not None and torch.equal(run, table)
         drafts, num = torch.randint(0, 49_152, (6, width)), torch.full((6,), width)
         q = torch.softmax(torch.randn(6, width, 49_152, generator=g), -1) if width else None
 
-        def both(fn):
-            fast = fn()
-            with mock.patch.object(batch, "_one_run", lambda blocks, width: None):
-                return fast, fn()
-
-        fast, slow = both(lambda: _sampled_rows(blocks, [params] * 6, width))
-        assert torch.equal(fast, slow)
-        fast, slow = both(lambda: verify_requests(
-            blocks, drafts, num, q, [params] * 6, [torch.Generator().manual_seed(r) for r in range(6)],
-            torch.zeros(6, width, dtype=torch.bool)))
+        assert torch.equal(_sampled_rows(blocks, [params] * 6, width, run), _sampled_rows(blocks, [params] * 6, width))
+        verified = lambda: verify_requests(  # noqa: E731
+            blocks, drafts, num, q, [params] * 6, [torch.Generator().manual_seed(r) for r in everyone],
+            torch.zeros(6, width, dtype=torch.bool), table=(table, starts))
+        fast = verified()
+        with mock.patch.object(batch, "_table_run", lambda *args: None):
+            slow = verified()
         for field in ("accepted", "next_token", "stopped"):
             assert torch.equal(getattr(fast, field), getattr(slow, field)), field
         if width:
-            assert _one_run(blocks[:2] + blocks[3:], width) is None  # a gap
-            assert _one_run([b[:-1] for b in blocks], width) is None  # fewer rows than the widest
-        assert _one_run(blocks[::-1], width) is None  # out of order
-        assert _one_run([blocks[0], blocks[1].clone()], width) is None  # another tensor
+            assert _table_run((table, starts), blocks, [0, 1, 3, 4, 5], width) is None  # a gap
+            assert _table_run((table, starts), [b[:-1] for b in blocks], everyone, width) is None  # fewer rows
+        assert _table_run((table, starts), blocks, everyone[::-1], width) is None  # out of order
+        assert _table_run(None, blocks, everyone, width) is None  # no table

@@ -47,13 +47,14 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
         idx = slice(None) if len(group) == R else torch.tensor(group)
         width = int(num_draft[idx].max())  # drafts any request of the group verifies; slots beyond are unused
         draft, stops = drafts[idx, :width], stop_mask[idx, :width]
+        plain = not any(params[r].adjusts_logits_after(generated(r)) for r in group)  # target_logits is the identity
         if is_greedy:
-            plain = not any(params[r].adjusts_logits_after(generated(r)) for r in group)
             best = (_argmax_tokens(logits, group, width, table) if plain
                     else _argmax_tokens({r: adjusted(r) for r in group}, group, width, None))
             res = accept_greedy(draft, best, num_draft[idx], stops)
         else:
-            rows = _sampled_rows([adjusted(r) for r in group], [params[r] for r in group], width)
+            run = _table_run(table, logits, group, width) if plain else None
+            rows = _sampled_rows([adjusted(r) for r in group], [params[r] for r in group], width, run)
             uniforms = draw_uniforms([generators[r] for r in group], num_draft[idx], width)
             q = None if draft_probs is None else draft_probs[idx, :width]
             res = verify(draft, q, rows, num_draft[idx], uniforms, stops)
@@ -64,15 +65,17 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
 CHUNK_ELEMENTS = 4 * 49_152  # logits per shared to_probs call: a cache's worth (4 rows of SmolLM2's vocabulary)
 
 
-def _sampled_rows(blocks: list[torch.Tensor], params: list[SamplingParams], width: int) -> torch.Tensor:
+def _sampled_rows(blocks: list[torch.Tensor], params: list[SamplingParams], width: int,
+                  run: torch.Tensor | None = None) -> torch.Tensor:
     """[G, width + 1, V] each request's target distributions (blocks[i]: its ℓ_i + 1 rows of logits), zero past
-    its own rows. Requests that process alike (seeds may differ) share to_probs calls of about CHUNK_ELEMENTS
-    logits: one call per request pays top-p's per-call work R times, and one call over every row of a step
-    streamed them all through memory, slower at 3 drafts a request (scripts/top_p_cost.py measures the path).
+    its own rows; run: the same rows as one [G · (width + 1), V] tensor (``_table_run``), processed in place.
+    Requests that process alike (seeds may differ) share to_probs calls of about CHUNK_ELEMENTS logits: one call
+    per request pays top-p's per-call work R times, and one call over every row of a step streamed them all through
+    memory, slower at 3 drafts a request (scripts/top_p_cost.py measures the path).
     Exact: to_probs gives a row the same bits whatever shares its call (tests/test_decoding.py), so a seeded
     request's tokens do not depend on its neighbours."""
-    run = _one_run(blocks, width) if all(p.processing == params[0].processing for p in params) else None
-    if run is not None and params[0].top_p >= 1:  # no top-p: nothing per call to share, so one call, no copies
+    alike = all(p.processing == params[0].processing for p in params)
+    if run is not None and alike and params[0].top_p >= 1:  # no top-p: nothing per call to share: one call, no copy
         return to_probs(run, params[0]).view(len(blocks), width + 1, -1)
     rows = torch.empty(len(blocks), width + 1, blocks[0].shape[-1])
     sizes = [block.shape[0] for block in blocks]
@@ -90,18 +93,20 @@ def _sampled_rows(blocks: list[torch.Tensor], params: list[SamplingParams], widt
     return rows
 
 
-def _one_run(blocks: list[torch.Tensor], width: int) -> torch.Tensor | None:
-    """The blocks as one [G · (width + 1), V] view when each holds width + 1 rows and starts where the one before
-    ends in the same tensor (the engine's logits: its requests' rows in order, none verifying fewer than the
-    widest); None otherwise. At 16 one-row requests the cat and the copy it saves were ~0.5 of a 2.7 ms
-    verification (scripts/verify_cost.py)."""
-    first = blocks[0]
-    storage, size = first.untyped_storage().data_ptr(), first.numel() * first.element_size()
-    for i, b in enumerate(blocks):
-        if (b.shape[0] != width + 1 or not b.is_contiguous() or b.dtype != first.dtype
-                or b.untyped_storage().data_ptr() != storage or b.data_ptr() != first.data_ptr() + i * size):
+def _table_run(table: tuple[torch.Tensor, list[int]] | None, logits, group: list[int], width: int
+               ) -> torch.Tensor | None:
+    """The group's rows as one slice of the caller's table when each request has width + 1 of them and each starts
+    where the one before ends (the engine's logits: its requests' rows in order, none verifying fewer than the
+    widest); None otherwise. With the cat and the copy this saves, 16 one-row requests took 2.28 ms to verify,
+    without them 1.45 (scripts/verify_cost.py)."""
+    if table is None:
+        return None
+    rows, starts = table
+    first = starts[group[0]]
+    for i, r in enumerate(group):
+        if logits[r].shape[0] != width + 1 or starts[r] != first + i * (width + 1):
             return None
-    return first.as_strided((len(blocks) * (width + 1), first.shape[-1]), (first.shape[-1], 1))
+    return rows[first: first + len(group) * (width + 1)]
 
 
 def _chunks(members: list[int], sizes: list[int], rows: int) -> list[list[int]]:
