@@ -114,6 +114,38 @@ def test_engine_output_distribution_at_batch_512(policy):
     assert p > 1e-3
 
 
+def test_engine_output_distribution_through_the_in_place_verification():
+    """The copy-free path (batch._table_run: every request verifies as many drafts, its rows next to the one
+    before it in the forward's logits) carries plain sampled decoding at batch 512, and the output still follows
+    the target's law. With drafts, requests joining mid-run verify different numbers of them, so the engine's
+    other chi-square tests mostly take the copying path; the two paths are compared bit for bit in
+    test_decoding.py."""
+    policy = "none"
+    from unittest import mock
+
+    from dspark.decoding import batch
+
+    hits = {True: 0, False: 0}
+    run_of = batch._table_run
+
+    def spy(table, *args):  # a prompt's first token is verified alone, with no table: not counted
+        run = run_of(table, *args)
+        if table is not None:
+            hits[run is not None] += 1
+        return run
+
+    model = tiny_target()
+    params = SamplingParams(temperature=1.0, top_k=6, max_new_tokens=3, ignore_eos=True)
+    engine = Engine(model, None, None, make_policy(policy), (), EngineConfig(gamma=GAMMA, max_running=512))
+    prompt, n = [1, 4, 2], 20_000
+    with mock.patch.object(batch, "_table_run", spy):
+        reqs = run_engine(engine, [prompt] * n, [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(n)])
+    assert hits[True] > 10 * hits[False], hits
+    p = chi_square_p(reqs, exact_distribution(model, prompt, params))
+    print(f"{policy}: chi-square p = {p:.3f}, in place {hits[True]}, copied {hits[False]}")
+    assert p > 1e-3
+
+
 def test_engine_reports_verify_steps_to_a_live_priced_policy_but_not_prefill():
     """What scheduling/live_profile.py corrects the profile with: (B, R) of each forward that had no prefill in it,
     its time, and the proposal's requests, depth and time."""
