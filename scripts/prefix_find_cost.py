@@ -1,8 +1,10 @@
 """What does looking up a prompt prefix cost per admitted request? PrefixCache.find (engine/prefix_cache.py)
 against the reference it replaced in session 30 — the common prefix taken by copying both token lists into numpy
-arrays, every donor scanned — for a request arriving at a batch of running donors.
+arrays, every donor scanned — for a request arriving at running donors (scanned) or at finished ones kept as
+donors (indexed by block keys since session 37).
 
-    .venv/bin/python scripts/prefix_find_cost.py [--donors 16,64,512] [--prompt 1000] [--repeats 5] [--out DIR]
+    .venv/bin/python scripts/prefix_find_cost.py [--donors 16,64,512] [--prompt 1000] [--repeats 5]
+        [--where running,kept] [--out DIR]
 
 Cases: `shared system prompt` (every donor holds the same `--prompt`-token system prompt, then its own 20-token
 user turn: no donor holds the whole prompt, so every donor is compared), `same prompt` (n choices of one prompt, a
@@ -62,6 +64,15 @@ def donor(prompt: list[int]) -> Request:
     return r
 
 
+def kept_cache(donors: list[Request]) -> PrefixCache:
+    """A cache holding `donors` as finished, kept donors (the engine's keep(), entry limit above their count)."""
+    cache = PrefixCache(min_tokens=16, max_entries=len(donors))
+    for d in donors:
+        d.status = Status.FINISHED
+        cache.keep(d)
+    return cache
+
+
 def make_case(name: str, donors: int, length: int, rng: random.Random):
     system = [rng.randrange(49152) for _ in range(length)]
     turn = lambda: [rng.randrange(49152) for _ in range(20)]  # noqa: E731
@@ -88,29 +99,33 @@ def main() -> None:
     ap.add_argument("--donors", default="16,64,512")
     ap.add_argument("--prompt", type=int, default=1000, help="system prompt tokens")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--where", default="running,kept", help="donors running (scanned) or kept (indexed)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    rng, cache, rows = random.Random(0), PrefixCache(min_tokens=16), []
+    rng, rows = random.Random(0), []
     coverage = lambda d: d.num_tokens  # noqa: E731  (a target without a model drafter)
-    for name in ("shared system prompt", "same prompt", "distinct"):
-        for n in [int(x) for x in args.donors.split(",")]:
-            req, running = make_case(name, n, args.prompt, rng)
-            match = cache.find(req, running, coverage)
-            assert (None if match is None else match.length) == reference_find(cache, req, running, coverage)
-            calls = max(3, 2000 // n)
-            ours = statistics.median(time_lookups(lambda: cache.find(req, running, coverage), calls)
-                                     for _ in range(args.repeats))
-            ref = statistics.median(time_lookups(lambda: reference_find(cache, req, running, coverage), calls)
-                                    for _ in range(args.repeats))
-            rows.append({"case": name, "donors": n, "prompt_tokens": len(req.prompt),
-                         "shared": None if match is None else match.length,
-                         "find_us": round(ours * 1e6, 1), "reference_us": round(ref * 1e6, 1),
-                         "speedup": round(ref / ours, 1)})
-            print(rows[-1], flush=True)
-    table = ["| case | donors | prompt tokens | shared | find µs | reference µs | reference / find |",
-             "|---|---|---|---|---|---|---|"]
-    table += [f"| {r['case']} | {r['donors']} | {r['prompt_tokens']} | {r['shared']} | {r['find_us']} | "
-              f"{r['reference_us']} | {r['speedup']} |" for r in rows]
+    for where, name, n in itertools.product(args.where.split(","), ("shared system prompt", "same prompt", "distinct"),
+                                            [int(x) for x in args.donors.split(",")]):
+        req, running = make_case(name, n, args.prompt, rng)
+        cache = PrefixCache(min_tokens=16)
+        if where == "kept":
+            cache, running = kept_cache(running), []
+        match = cache.find(req, running, coverage)
+        assert (None if match is None else match.length) == reference_find(cache, req, running, coverage)
+        calls = max(3, 2000 // n)
+        ours = statistics.median(time_lookups(lambda: cache.find(req, running, coverage), calls)
+                                 for _ in range(args.repeats))
+        ref = statistics.median(time_lookups(lambda: reference_find(cache, req, running, coverage), calls)
+                                for _ in range(args.repeats))
+        rows.append({"donors_are": where, "case": name, "donors": n, "prompt_tokens": len(req.prompt),
+                     "shared": None if match is None else match.length,
+                     "find_us": round(ours * 1e6, 1), "reference_us": round(ref * 1e6, 1),
+                     "speedup": round(ref / ours, 1)})
+        print(rows[-1], flush=True)
+    table = ["| donors are | case | donors | prompt tokens | shared | find µs | reference µs | reference / find |",
+             "|---|---|---|---|---|---|---|---|"]
+    table += [f"| {r['donors_are']} | {r['case']} | {r['donors']} | {r['prompt_tokens']} | {r['shared']} | "
+              f"{r['find_us']} | {r['reference_us']} | {r['speedup']} |" for r in rows]
     print("\n".join(table))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -118,7 +133,7 @@ def main() -> None:
                                                               "rows": rows}, indent=1))
         (args.out / "prefix_find.md").write_text(f"# Prefix lookup per admitted request (`scripts/prefix_find_cost."
                                                  f"py --donors {args.donors} --prompt {args.prompt} --repeats "
-                                                 f"{args.repeats}`)\n\n" + "\n".join(table) + "\n")
+                                                 f"{args.repeats} --where {args.where}`)\n\n" + "\n".join(table) + "\n")
 
 
 if __name__ == "__main__":

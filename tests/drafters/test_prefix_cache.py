@@ -1,6 +1,7 @@
 """Prompt-prefix reuse (engine/prefix_cache.py): copying a shared prefix changes no output, hands the drafter the
 context prefilling would have built, waits for a donor still prefilling, and stays inside the KV budget."""
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from dspark.decoding import SamplingParams
 from dspark.drafters import make_drafter
 from dspark.engine.engine import Engine, EngineConfig
 from dspark.engine.prefix_cache import PrefixCache, common_prefix
+from dspark.engine.request import Request, Status
 from dspark.scheduling.registry import make_policy
 from dspark_testlib import tiny_drafter, tiny_target
 from test_dspark_exactness import FIRST, PROMPT, assert_first_tokens_match_target, plain_greedy
@@ -169,3 +171,79 @@ def test_common_prefix_and_bad_settings():
         PrefixCache(min_tokens=0)
     with pytest.raises(ValueError, match="prefix_cache_entries"):
         EngineConfig(prefix_cache_entries=-1)
+
+
+def _reference_find(cache, req, running, coverage):
+    """Every donor scanned, every prefix counted token by token: the lookup before kept donors were indexed."""
+    wanted, best = req.prompt[:-1], None
+    if len(wanted) < cache.min_tokens:
+        return None
+    for donor in [*running, *cache.kept.values()]:
+        if donor is req or donor.cache is None or donor.prefix_state != "done":
+            continue
+        shared = common_prefix(wanted, donor.prompt + donor.output)
+        ready = min(shared, donor.cache.length, donor.num_tokens, coverage(donor))
+        waits = ready < shared and donor.status is Status.PREFILL
+        key = (shared if waits else ready, not waits)
+        if key[0] >= cache.min_tokens and (best is None or key > best):
+            best = key
+    return best
+
+
+def _donor(tokens: list[int], cut: int, status=Status.FINISHED) -> Request:
+    """A request whose prompt is tokens[:cut] and output the rest, holding KV for all but its last token."""
+    r = Request(tokens[:cut], SamplingParams(max_new_tokens=64))
+    r.output, r.status, r.prefix_state = tokens[cut:], status, "done"
+    r.cache = SimpleNamespace(length=len(tokens) - 1)
+    return r
+
+
+@pytest.mark.parametrize("block", [1, 4, 16])
+def test_indexed_lookup_finds_what_scanning_every_donor_finds(block):
+    """Random prompts built from a few shared heads, kept donors with random lengths and drafter coverage, some
+    running ones (one still prefilling): the indexed lookup gives as many positions, and the same wait, as the
+    scan over every donor; evicted donors leave no trace in the index."""
+    rng = random.Random(block)
+    heads = [[rng.randrange(5) for _ in range(rng.randrange(1, 70))] for _ in range(4)]
+    make = lambda: rng.choice(heads) + [rng.randrange(5) for _ in range(rng.randrange(0, 40))]  # noqa: E731
+    cache = PrefixCache(min_tokens=block, max_entries=60)
+    covered = {}
+    coverage = lambda d: covered.get(d.request_id, d.num_tokens)  # noqa: E731
+    for i in range(150):
+        tokens = make() + [rng.randrange(5) for _ in range(rng.randrange(2, 30))]
+        donor = _donor(tokens, rng.randrange(1, len(tokens)))
+        if rng.random() < 0.2:
+            covered[donor.request_id] = rng.randrange(len(tokens))
+        for old in cache.keep(donor):
+            old.cache = None
+        running = [_donor(make() + [1, 2], 5, Status.DECODE) for _ in range(3)]
+        running[0].status, running[0].cache.length = Status.PREFILL, 3
+        req = Request(make() + [9], SamplingParams(max_new_tokens=8))
+        match = cache.find(req, running, coverage)
+        want = _reference_find(cache, req, running, coverage)
+        assert (None if match is None else (match.length, not match.wait)) == want
+    assert len(cache.kept) == 60
+    while cache.kept:
+        cache.pop_oldest()
+    assert cache.index == {} and cache.committed == {} and cache.kept_positions == 0
+
+
+def test_a_hash_collision_never_copies_a_prefix_that_is_not_shared(monkeypatch):
+    """With every block key equal, the index offers every kept donor at every depth: the lookup must still take
+    only what is really shared."""
+    import dspark.engine.prefix_cache as prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "block_keys",
+                        lambda tokens, block: iter([0] * (len(tokens) // block)))
+    rng = random.Random(0)
+    cache = PrefixCache(min_tokens=4, max_entries=50)
+    for _ in range(40):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(5, 40))]
+        cache.keep(_donor(tokens, rng.randrange(1, len(tokens))))
+    for _ in range(200):
+        req = Request([rng.randrange(3) for _ in range(rng.randrange(2, 40))], SamplingParams(max_new_tokens=4))
+        match = cache.find(req, [], lambda d: d.num_tokens)
+        want = _reference_find(cache, req, [], lambda d: d.num_tokens)
+        assert (None if match is None else (match.length, True)) == want
+        if match is not None:
+            assert common_prefix(req.prompt, match.donor.prompt + match.donor.output) >= match.length

@@ -40,7 +40,7 @@ class EngineConfig:
     record_confidences: bool = False  # keep each round's raw confidence logits on the request (calibration)
     prefix_cache: bool = True  # copy shared prompt prefixes from running and finished requests (prefix_cache.py)
     prefix_min_tokens: int = 16  # shortest prefix worth copying
-    prefix_cache_entries: int = 32  # finished requests kept as donors (within the KV budget)
+    prefix_cache_entries: int = 256  # finished requests kept as donors (within the KV budget)
 
     def __post_init__(self) -> None:
         if self.gamma < 1 or self.max_running < 1 or self.prefill_chunk < 1 or self.prefix_min_tokens < 1:
