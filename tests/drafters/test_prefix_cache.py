@@ -115,6 +115,11 @@ def test_kept_donors_stay_inside_the_kv_budget_and_the_entry_limit():
     while engine.has_unfinished():
         engine.step()
     assert not engine.feed.pending.keys() - set(engine.prefixes.kept)  # evicted donors left no pending states
+    assert engine.reset_prefix_cache() == 3  # the 3 donors the entry limit kept
+    assert engine.kv_cached == 0 and not engine.prefixes.kept and not engine.prefixes.index
+    assert not engine.feed.pending
+    again = _run(engine, [big[0].prompt])[0]  # its donor is gone: the prompt is computed again
+    assert again.cached_tokens == 0 and again.output == big[0].output
 
 
 def test_seeded_sampling_with_prefix_reuse_is_reproducible_and_equals_recomputing():

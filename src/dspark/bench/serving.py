@@ -209,7 +209,11 @@ def run(cfg: ServeBenchConfig) -> dict:
 def measure(engines: dict[str, Engine], prompts, concurrency: int, params: SamplingParams,
             cfg: ServeBenchConfig):
     """(policy, cell) for every engine at this concurrency: all policies' closed loops stepped in turn (each
-    timed on its own clock), or one after another with `cfg.sequential`."""
+    timed on its own clock), or one after another with `cfg.sequential`. Each cell starts with no finished
+    request kept as a prefix donor: the engines outlive cells, and the prompts an earlier cell left behind would
+    spare later cells their prefills."""
+    for engine in engines.values():
+        engine.reset_prefix_cache()
     limit = cfg.requests_per_client * concurrency or None
     seconds = None if limit else cfg.seconds_per_cell
     if cfg.sequential:

@@ -142,6 +142,15 @@ class Engine:
         for old in self.prefixes.keep(req):
             self._forget(old)
 
+    def reset_prefix_cache(self) -> int:
+        """Evict every finished request kept as a prefix donor (vLLM's reset_prefix_cache): a benchmark cell then
+        starts with none of the prompts an earlier cell left behind. Returns how many were evicted."""
+        evicted = 0
+        while self.prefixes is not None and self.prefixes.kept:
+            self._forget(self.prefixes.pop_oldest())
+            evicted += 1
+        return evicted
+
     def _forget(self, donor: Request) -> None:
         """Evict a kept donor: its KV, drafter context and pending states go."""
         donor.cache, donor.reserved = None, 0
