@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..models import native, native_attention
+from ..models import native, native_attention, native_norm
 from ..models.loader import cache_root
 from ..models.transformer import Segment, Transformer
 from ..scheduling.profile import ProfileKey, SpeedProfile, current_machine
@@ -184,6 +184,8 @@ def profile_key(model_id: str, dtype: str, drafter_id: str, model: Transformer) 
         used.append(f"native@{native.source_hash()[:8]}{rows}")
     if native_attention.usable(model.dtype, model.device):
         used.append("attention")
+    if native_norm.kernels() is not None:
+        used.append("norm")
     kernels = "+".join(used) or "torch"
     return ProfileKey(model_id=model_id, drafter_id=drafter_id, machine=current_machine(), dtype=dtype,
                       kernels=kernels)
