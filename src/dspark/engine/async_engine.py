@@ -95,6 +95,11 @@ class AsyncEngine:
             self.engine.abort(request_id)
             self.wake.notify()
 
+    def reset_prefix_cache(self) -> int:
+        """Engine.reset_prefix_cache under the lock: the finished requests kept as prefix donors go."""
+        with self.lock:
+            return self.engine.reset_prefix_cache()
+
     def snapshot(self) -> dict:
         """A consistent view of the counters for /metrics."""
         with self.lock:
