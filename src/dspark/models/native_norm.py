@@ -24,6 +24,7 @@ from . import native
 
 SOURCE = Path(__file__).with_name("native_norm.c")
 _L, _P = ctypes.c_long, ctypes.c_void_p
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
@@ -61,7 +62,7 @@ def _call(fns, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """A 2-D CPU input with contiguous rows, a contiguous weight of its dtype, no autograd."""
     return (x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype
-            and x.dtype in (torch.float32, torch.bfloat16) and x.stride(1) == 1 and weight.is_contiguous()
+            and x.dtype in DTYPES and x.stride(1) == 1 and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and kernels() is not None)
 
