@@ -120,10 +120,11 @@ def test_engine_output_distribution_through_the_in_place_verification():
     the target's law. With drafts, requests joining mid-run verify different numbers of them, so the engine's
     other chi-square tests mostly take the copying path; the two paths are compared bit for bit in
     test_decoding.py."""
-    policy = "none"
     from unittest import mock
 
     from dspark.decoding import batch
+
+    policy = "none"
 
     hits = {True: 0, False: 0}
     run_of = batch._table_run

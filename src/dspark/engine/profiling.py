@@ -184,7 +184,7 @@ def profile_key(model_id: str, dtype: str, drafter_id: str, model: Transformer) 
         used.append(f"native@{native.source_hash()[:8]}{rows}")
     if native_attention.usable(model.dtype, model.device):
         used.append("attention")
-    if model.device.type == "cpu" and model.dtype in native_norm.DTYPES and native_norm.kernels() is not None:
+    if native_norm.serves(model.dtype, model.device):
         used.append("norm")
     kernels = "+".join(used) or "torch"
     return ProfileKey(model_id=model_id, drafter_id=drafter_id, machine=current_machine(), dtype=dtype,

@@ -59,12 +59,16 @@ def _call(fns, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     return y
 
 
+def serves(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model of this dtype on this device has its norms computed here (what its speed profile is keyed by)."""
+    return device.type == "cpu" and dtype in DTYPES and kernels() is not None
+
+
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A 2-D CPU input with contiguous rows, a contiguous weight of its dtype, no autograd."""
-    return (x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype
-            and x.dtype in DTYPES and x.stride(1) == 1 and weight.is_contiguous()
+    """A 2-D input with contiguous rows that `serves` covers, a contiguous weight of its dtype, no autograd."""
+    return (x.dim() == 2 and x.dtype == weight.dtype and x.stride(1) == 1 and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and kernels() is not None)
+            and serves(x.dtype, x.device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
