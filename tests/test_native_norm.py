@@ -86,3 +86,24 @@ def test_without_the_kernel_torch_is_used(monkeypatch):
         assert torch.equal(layers.rms_norm(x, w, 1e-6), F.rms_norm(x, (16,), w, 1e-6))
     finally:
         native_norm.kernels.cache_clear()
+
+
+@needs_kernel
+def test_the_drafters_norm_takes_the_kernel_at_inference_only(monkeypatch):
+    """The drafter's RMSNorm (3-D and 4-D block inputs) goes through the kernel when nothing needs gradients and
+    through torch's composite in training, with the same result up to rounding."""
+    from dspark.drafters.dspark_model import RMSNorm
+
+    calls = []
+    real = native_norm.rms_norm
+    monkeypatch.setattr(native_norm, "rms_norm", lambda *a: calls.append(a[0].shape) or real(*a))
+    norm = RMSNorm(32, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(32, generator=torch.Generator().manual_seed(3)))
+    x = torch.randn(2, 1, 7, 32, generator=torch.Generator().manual_seed(4))  # [G, A, S, d]
+    with torch.inference_mode():
+        fast = norm(x)
+    assert calls == [(14, 32)] and fast.shape == x.shape
+    trained = norm(x.clone().requires_grad_(True))  # the weight is a parameter: autograd, torch's path
+    assert calls == [(14, 32)] and trained.requires_grad
+    torch.testing.assert_close(fast, trained.detach())
