@@ -1,5 +1,5 @@
-"""The measured row limit of our C projection kernel (models/kernel_choice.py): the rule, the cache, the override,
-and that the speed profile is keyed by the limit it was measured with."""
+"""The measured projection routes (models/kernel_choice.py): our C kernel's row limit and oneDNN's padding of a few
+rows — the rules, the cache, the override, and that the speed profile is keyed by the routes it was measured with."""
 import json
 import logging
 from pathlib import Path
@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from dspark.models import kernel_choice, native
+from dspark.models.kernel_choice import Routes
+from dspark.models.config import parse_hf_config
+from dspark.models.weights import build_transformer
 from helpers import hf_model, ours_from_hf
 
 needs_kernel = pytest.mark.skipif(native.kernel() is None, reason="no C compiler here: nothing to choose")
@@ -26,41 +29,93 @@ def model(monkeypatch, tmp_path):
     return ours_from_hf(hf_model("llama"), fast_kernels=True)
 
 
+def test_padding_goes_where_it_is_faster_and_the_limit_is_against_the_better_route():
+    table = {1: {"native": 1.0, "onednn": 3.0, "padded": 2.0},   # ours wins; padded still beats unpadded
+             2: {"native": 2.5, "onednn": 3.0, "padded": 2.0},   # padded oneDNN beats ours: the limit stops at 1
+             3: {"native": 1.0, "onednn": 2.0, "padded": 2.5},   # padding loses here: not padded
+             4: {"native": 1.0, "onednn": 2.0}}
+    assert kernel_choice.routes_from(table, with_native=True) == Routes(1, {1: 4, 2: 4})
+    no_c = {n: {k: v for k, v in t.items() if k != "native"} for n, t in table.items() if n < 4}
+    assert kernel_choice.routes_from(no_c, with_native=False) == Routes(None, {1: 4, 2: 4})
+
+
 @needs_kernel
 def test_measured_once_then_read_from_the_cache(model, monkeypatch, caplog):
     calls = []
     real = kernel_choice.measure
     monkeypatch.setattr(kernel_choice, "measure", lambda m: calls.append(1) or real(m, rows=(1, 2, 3), rounds=1))
-    limit = kernel_choice.tune(model)
-    assert limit in (0, 1, 2, 3) and len(calls) == 1
-    assert all(p.native_rows == limit for p in kernel_choice.projections(model))
+    chosen = kernel_choice.tune(model)
+    assert chosen.native_rows in (0, 1, 2, 3) and len(calls) == 1
+    assert set(chosen.pad_to) <= {1, 2, 3} and set(chosen.pad_to.values()) <= {kernel_choice.PAD_TO}
+    assert all(p.native_rows == chosen.native_rows and p.pad_to == chosen.pad_to
+               for p in kernel_choice.projections(model))
     saved = json.loads(kernel_choice.cache_path(model).read_text())
-    assert saved["native_rows"] == limit and set(saved["seconds"]) == {"1", "2", "3"}
-    assert kernel_choice.tune(model) == limit and len(calls) == 1  # cached
-    assert kernel_choice.tune(model, force=True) in (0, 1, 2, 3) and len(calls) == 2  # `dspark profile --force`
+    assert saved["native_rows"] == chosen.native_rows and set(saved["seconds"]) == {"1", "2", "3"}
+    assert {int(k): v for k, v in saved["pad_to"].items()} == chosen.pad_to
+    assert set(saved["seconds"]["1"]) == {"native", "onednn", "padded"}
+    assert kernel_choice.tune(model) == chosen and len(calls) == 1  # cached
+    assert kernel_choice.tune(model, force=True).native_rows in (0, 1, 2, 3) and len(calls) == 2  # `--force`
 
-    kernel_choice.cache_path(model).write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="dspark"):
-        kernel_choice.tune(model)
-    assert len(calls) == 3 and "measuring the kernel crossover again" in caplog.text
+    for bad in ("{not json", json.dumps({**saved, "version": 1}), json.dumps({**saved, "pad_to": [1, 2]})):
+        kernel_choice.cache_path(model).write_text(bad)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dspark"):
+            kernel_choice.tune(model)
+        assert "measuring the kernel routes again" in caplog.text
+    assert len(calls) == 5
     assert json.loads(kernel_choice.cache_path(model).read_text())["version"] == kernel_choice.VERSION
+
+
+def test_a_bf16_model_without_our_kernel_measures_only_the_padding(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    monkeypatch.delenv("DSPARK_NATIVE_ROWS", raising=False)
+    hf = hf_model("llama")
+    config = parse_hf_config(json.loads(hf.config.to_json_string()))
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    model = build_transformer(config, state, torch.bfloat16, fast_kernels=True)
+    if not kernel_choice.is_tunable(model):
+        pytest.skip("this torch build has no packed oneDNN product")
+    assert not kernel_choice.has_native(model)
+    chosen, table = kernel_choice.measure(model, rounds=1)
+    assert chosen.native_rows is None and set(table) == {1, 2, 3}
+    assert all(set(t) == {"onednn", "padded"} for t in table.values())
+
+
+def test_padded_rows_give_the_unpadded_result(model, monkeypatch):
+    """oneDNN pads a few rows where kernel_choice found it faster: the same rows come back, to its rounding."""
+    proj = model.layers[0].gate_up
+    if proj.packed is None:
+        pytest.skip("this torch build has no packed oneDNN product")
+    sizes = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: sizes.append(x.shape[0]) or real(x, *a))
+    x = torch.randn(2, proj.weight.shape[1])
+    proj.native_rows, proj.pad_to = 0, {}
+    plain = proj(x)
+    proj.pad_to = {2: 4}
+    padded = proj(x)
+    assert sizes == [2, 4] and padded.shape == plain.shape
+    torch.testing.assert_close(padded, plain, rtol=1e-4, atol=1e-5)
+    proj(torch.randn(3, proj.weight.shape[1]))  # a row count not in pad_to: unpadded
+    assert sizes[-1] == 3
 
 
 @needs_kernel
 def test_the_environment_overrides_and_bad_values_are_refused(model, monkeypatch):
     monkeypatch.setattr(kernel_choice, "measure", lambda m: pytest.fail("an override must not measure"))
     monkeypatch.setenv("DSPARK_NATIVE_ROWS", "7")
-    assert kernel_choice.tune(model) == 7 and model.layers[0].qkv.native_rows == 7
+    assert kernel_choice.tune(model) == Routes(7) and model.layers[0].qkv.native_rows == 7
+    assert model.layers[0].qkv.pad_to == {}  # an override measures nothing, so it pads nothing
     monkeypatch.setenv("DSPARK_NATIVE_ROWS", "many")
     with pytest.raises(ValueError, match="DSPARK_NATIVE_ROWS"):
         kernel_choice.tune(model)
 
 
-def test_no_choice_without_both_kernels(model, monkeypatch):
+def test_no_choice_without_onednn_packing(model, monkeypatch):
     plain = ours_from_hf(hf_model("llama"), fast_kernels=False)
     monkeypatch.setattr(kernel_choice, "measure", lambda m: pytest.fail("nothing to measure"))
     assert kernel_choice.tune(plain) is None
-    assert all(p.native_rows == native.DEFAULT_ROWS for p in kernel_choice.projections(plain))
+    assert all(p.native_rows == native.DEFAULT_ROWS and p.pad_to == {} for p in kernel_choice.projections(plain))
 
 
 @needs_kernel
@@ -81,11 +136,15 @@ def test_a_row_limit_changes_no_output_row_beyond_kernel_rounding(model):
 def test_the_profile_key_names_the_kernel_version_and_the_limit(model):
     from dspark.engine.profiling import profile_key
 
-    kernel_choice.apply(model, 5)
+    kernel_choice.apply(model, Routes(5))
     five = profile_key("m", "float32", "d", model)
-    kernel_choice.apply(model, 8)
+    kernel_choice.apply(model, Routes(8))
     eight = profile_key("m", "float32", "d", model)
-    assert "<=5" in five.kernels and "<=8" in eight.kernels and five != eight
+    assert "<=5" in five.kernels and "<=8" in eight.kernels and five != eight and "pad" not in five.kernels
+    kernel_choice.apply(model, Routes(8, {1: 4, 2: 4}))
+    padded = profile_key("m", "float32", "d", model)
+    assert padded.kernels.endswith("+pad1>4,2>4") and padded != eight
+    kernel_choice.apply(model, Routes(8))
     assert profile_key("m", "bfloat16", "d", model).kernels in ("torch", "attention", "norm", "attention+norm")
 
 

@@ -257,7 +257,11 @@ def run_profile(args) -> int:
 
     loaded = load_model(args.model, dtype=args.dtype)
     if args.force:  # the kernel crossover is part of what a step costs, so it is measured again too
-        print(f"# our C kernel serves projections of up to {kernel_choice.tune(loaded.model, force=True)} rows")
+        chosen = kernel_choice.tune(loaded.model, force=True)
+        if chosen is not None:
+            ours = "none" if chosen.native_rows is None else f"up to {chosen.native_rows} rows"
+            pads = ", ".join(f"{n} -> {m}" for n, m in sorted(chosen.pad_to.items())) or "none"
+            print(f"# projections: our C kernel serves {ours}; oneDNN runs padded (rows -> padded rows): {pads}")
     drafter = None if args.drafter == "none" else make_drafter(args.drafter, target=loaded.model)
     key = profile_key(args.model, args.dtype, drafter.profile_id if drafter else "none", loaded.model)
     prof = load_or_profile(loaded.model, key, repeats=args.repeats, force=args.force, drafter=drafter, prefill=True)

@@ -142,6 +142,7 @@ def inference_head(model: DraftVocabMixin, target, bf16: bool = False):
     else:
         head = Projection(rows.contiguous(), packed=target.lm_head.packed is not None, native=target.lm_head.native)
         head.native_rows = target.lm_head.native_rows  # the same kernel as the target's head for the same rows
+        head.pad_to = dict(target.lm_head.pad_to)
         dtype = target.dtype
 
     def logits(h: torch.Tensor) -> torch.Tensor:

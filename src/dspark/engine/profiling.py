@@ -186,6 +186,8 @@ def profile_key(model_id: str, dtype: str, drafter_id: str, model: Transformer) 
         used.append("attention")
     if native_norm.serves(model.dtype, model.device):
         used.append("norm")
+    if model.lm_head.pad_to:  # kernel_choice pads oneDNN's few-row calls (the same for every projection)
+        used.append("pad" + ",".join(f"{n}>{m}" for n, m in sorted(model.lm_head.pad_to.items())))
     kernels = "+".join(used) or "torch"
     return ProfileKey(model_id=model_id, drafter_id=drafter_id, machine=current_machine(), dtype=dtype,
                       kernels=kernels)

@@ -1,17 +1,24 @@
-"""Up to how many rows our C kernel serves a projection on this machine: measured once per machine, then cached.
+"""How this machine's projection kernels serve a few rows: measured once per machine, then cached.
 
-Why measured: which kernel reads the weights faster for a few rows depends on the CPU and even on the VM's phase.
-On the 2-core dev machine the C kernel (models/native.py) beat oneDNN's packed product at every row count up to
-16 in one phase (`python -m dspark.bench.kernels --rows 1,2,3,4,6,8,12,16`, results/kernels-s20), while in a
-faster phase its one-row-at-a-time predecessor lost from 4 rows (results/runtime-s16). A fixed limit fits one
-of them; a verify step of 3-8 tokens then pays the slower kernel (57 -> 81 ms from 2 to 3 tokens with the limit
-at 2, results/serving-s19-early-stop/profile.txt).
+Two choices, both measured because they depend on the CPU and even on the VM's phase:
+
+* Up to how many rows our C kernel (models/native.py, fp32) serves a projection before oneDNN's packed product
+  does. On the 2-core dev machine the C kernel beat oneDNN at every row count up to 16 in one phase (`python -m
+  dspark.bench.kernels --rows 1,2,3,4,6,8,12,16`, results/kernels-s20), while in a faster phase its
+  one-row-at-a-time predecessor lost from 4 rows (results/runtime-s16). A fixed limit fits one of them; a verify
+  step of 3-8 tokens then pays the slower kernel (57 -> 81 ms from 2 to 3 tokens with the limit at 2,
+  results/serving-s19-early-stop/profile.txt).
+* Which row counts below `PAD_TO` oneDNN runs faster padded to `PAD_TO` rows. On the dev CPU its packed product
+  takes a slower path for 1-2 rows than for 4: SmolLM2's projections cost 15.3 ms at 2 rows and 12.9 at 4 in bf16,
+  27.0 and 22.1 in fp32 (results/forward-parts-s38). A bf16 model has no C kernel, so every decode step pays it.
 
 The measurement times every projection of one forward (the model's own weights, so the weight traffic is the
-real one) through both kernels, interleaved in rounds so that drift hits them alike, and keeps the largest row
-count up to which ours is never slower. It takes ≈ 15 s on the 2-core dev machine and is cached per CPU, kernel
-source, torch version, thread count and weight shapes; `DSPARK_NATIVE_ROWS=n` overrides it, and `dspark profile
---force` measures it again (the speed profile records the limit it was measured with, profiling.profile_key).
+real one) through each route, interleaved in rounds so that drift hits them alike: the C kernel, oneDNN, and for
+rows below `PAD_TO` oneDNN padded (the padding copy included). A row count is padded where that is faster; the C
+kernel's limit is the largest row count up to which it is never slower than oneDNN's better route. It takes ≈ 15 s
+on the 2-core dev machine and is cached per CPU, kernel source, torch version, thread count and weight shapes and
+dtypes; `DSPARK_NATIVE_ROWS=n` sets the limit instead (and pads nothing), and `dspark profile --force` measures
+again (the speed profile records the routes it was measured with, profiling.profile_key).
 """
 from __future__ import annotations
 
@@ -22,17 +29,28 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from . import native
-from .layers import Projection
+from .layers import Projection, bucket_rows
 
 log = logging.getLogger("dspark")
-VERSION = 1
+VERSION = 2  # 2: oneDNN padding for a few rows; weight dtypes in the key
 CANDIDATE_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+PAD_TO = 4  # oneDNN calls of fewer rows may run padded to this many
 ROUNDS = 5
+
+
+@dataclass(frozen=True)
+class Routes:
+    """native_rows: our C kernel serves up to this many rows (None: it serves none of this model's projections);
+    pad_to: {rows: padded rows} for oneDNN calls that run faster padded."""
+
+    native_rows: int | None
+    pad_to: dict[int, int] = field(default_factory=dict)
 
 
 def projections(model) -> list[Projection]:
@@ -40,42 +58,64 @@ def projections(model) -> list[Projection]:
 
 
 def is_tunable(model) -> bool:
-    """Both kernels must be available on every projection for there to be a choice."""
-    projs = projections(model)
-    return all(p.native and p.packed is not None for p in projs)
+    """oneDNN's packed product must serve every projection for there to be a choice (of padding; of the C kernel's
+    limit where it serves them too)."""
+    return all(p.packed is not None for p in projections(model))
+
+
+def has_native(model) -> bool:
+    return all(p.native for p in projections(model))
 
 
 def _key(projs: list[Projection]) -> str:
-    shapes = sorted({(tuple(p.weight.shape), p.bias is not None) for p in projs})
+    shapes = sorted({(tuple(p.weight.shape), str(p.weight.dtype), p.bias is not None) for p in projs})
     parts = [native._cpu_signature(), native.source_hash(), torch.__version__, repr(shapes),
-             str(torch.get_num_threads())]
+             str(torch.get_num_threads()), str(PAD_TO)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def cache_path(model) -> Path:
     from .loader import cache_root
 
-    return cache_root() / "kernels" / f"native-rows-{_key(projections(model))}.json"
+    return cache_root() / "kernels" / f"routes-{_key(projections(model))}.json"
 
 
-def measure(model, rows: tuple[int, ...] = CANDIDATE_ROWS, rounds: int = ROUNDS) -> tuple[int, dict]:
-    """(limit, {rows: [native s, oneDNN s]}): every projection through each kernel, `rounds` interleaved rounds
-    after one warm-up; the limit is the largest count before the first one where ours is the slower median."""
+ROUTES = {"native": lambda p, x: native.linear(x, p.weight, p.bias),  # what each route runs, as the engine would
+          "onednn": lambda p, x: p.packed_linear(x, size=bucket_rows(x.shape[0])),
+          "padded": lambda p, x: p.packed_linear(x, size=PAD_TO)}
+
+
+def measure(model, rows: tuple[int, ...] | None = None, rounds: int = ROUNDS) -> tuple[Routes, dict]:
+    """(routes, {rows: {route: median s}}): every projection through each route that applies to the row count,
+    `rounds` interleaved rounds after one warm-up. Without the C kernel only the rows below PAD_TO are measured."""
     projs = projections(model)
-    paths = {"native": lambda p, x: native.linear(x, p.weight, p.bias), "onednn": Projection.packed_linear}
-    table: dict[int, list[float]] = {}
+    with_native = has_native(model)
+    if rows is None:
+        rows = CANDIDATE_ROWS if with_native else tuple(n for n in CANDIDATE_ROWS if n < PAD_TO)
+    table: dict[int, dict[str, float]] = {}
     for n in rows:
+        names = [r for r in ROUTES if (r != "native" or with_native) and (r != "padded" or n < PAD_TO)]
         xs = [torch.randn(n, p.weight.shape[1], dtype=p.weight.dtype) for p in projs]
-        times: dict[str, list[float]] = {name: [] for name in paths}
+        times: dict[str, list[float]] = {name: [] for name in names}
         for i in range(rounds + 1):
-            for name, fn in paths.items():
+            for name in names:
                 t0 = time.perf_counter()
                 for p, x in zip(projs, xs):
-                    fn(p, x)
+                    ROUTES[name](p, x)
                 if i:
                     times[name].append(time.perf_counter() - t0)
-        table[n] = [statistics.median(times["native"]), statistics.median(times["onednn"])]
-    return crossover(table), table
+        table[n] = {name: statistics.median(t) for name, t in times.items()}
+    return routes_from(table, with_native), table
+
+
+def routes_from(table: dict[int, dict[str, float]], with_native: bool) -> Routes:
+    """Pad where padded is faster; the C kernel's limit against oneDNN's better route at each row count."""
+    pad_to = {n: PAD_TO for n, t in table.items() if "padded" in t and t["padded"] < t["onednn"]}
+    limit = None
+    if with_native:
+        limit = crossover({n: [t["native"], min(t["onednn"], t.get("padded", t["onednn"]))]
+                           for n, t in table.items()})
+    return Routes(limit, pad_to)
 
 
 def crossover(table: dict[int, list[float]]) -> int:
@@ -101,49 +141,53 @@ def _write_atomic(path: Path, payload: dict) -> None:
         raise
 
 
-def _cached(path: Path) -> int | None:
+def _cached(path: Path) -> Routes | None:
     try:
         obj = json.loads(path.read_text())
-        if obj.get("version") == VERSION and isinstance(obj.get("native_rows"), int) and obj["native_rows"] >= 0:
-            return obj["native_rows"]
-        log.warning("%s is from another version or malformed; measuring the kernel crossover again", path)
+        limit, pads = obj.get("native_rows"), obj.get("pad_to")
+        if (obj.get("version") == VERSION and (limit is None or isinstance(limit, int) and limit >= 0)
+                and isinstance(pads, dict) and all(k.isdigit() and isinstance(v, int) for k, v in pads.items())):
+            return Routes(limit, {int(k): v for k, v in pads.items()})
+        log.warning("%s is from another version or malformed; measuring the kernel routes again", path)
     except FileNotFoundError:
         pass
-    except (OSError, ValueError) as exc:
-        log.warning("could not read %s (%s); measuring the kernel crossover again", path, exc)
+    except (OSError, ValueError, AttributeError) as exc:
+        log.warning("could not read %s (%s); measuring the kernel routes again", path, exc)
     return None
 
 
-def native_rows(model, force: bool = False) -> int | None:
-    """The row limit for this model's projections on this machine (None: no choice to make here)."""
+def routes(model, force: bool = False) -> Routes | None:
+    """This model's projection routes on this machine (None: no choice to make here)."""
     env = os.environ.get("DSPARK_NATIVE_ROWS")
     if env is not None:
         if not env.isdigit():
             raise ValueError(f"DSPARK_NATIVE_ROWS must be a non-negative integer, got {env!r}")
-        return int(env)
+        return Routes(int(env))
     if not is_tunable(model):
         return None
     path = cache_path(model)
     if not force and (cached := _cached(path)) is not None:
         return cached
-    log.info("measuring up to how many rows the C projection kernel beats oneDNN here (once; cached at %s)", path)
-    limit, table = measure(model)
-    _write_atomic(path, {"version": VERSION, "native_rows": limit, "rounds": ROUNDS,
+    log.info("measuring how this machine's projection kernels serve a few rows (once; cached at %s)", path)
+    found, table = measure(model)
+    _write_atomic(path, {"version": VERSION, "native_rows": found.native_rows,
+                         "pad_to": {str(n): m for n, m in found.pad_to.items()}, "rounds": ROUNDS,
                          "seconds": {str(n): t for n, t in table.items()}, "threads": torch.get_num_threads(),
                          "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    return limit
+    return found
 
 
-def apply(model, limit: int | None) -> None:
-    """Route each projection of `model` through our kernel for at most `limit` rows (None: leave as built)."""
-    if limit is None:
+def apply(model, chosen: Routes | None) -> None:
+    """Route each projection of `model` as `chosen` says (None: leave them as built)."""
+    if chosen is None:
         return
     for p in projections(model):
-        p.native_rows = limit
-    model.native_rows = limit
+        if chosen.native_rows is not None:
+            p.native_rows = chosen.native_rows
+        p.pad_to = dict(chosen.pad_to)
 
 
-def tune(model, force: bool = False) -> int | None:
-    limit = native_rows(model, force)
-    apply(model, limit)
-    return limit
+def tune(model, force: bool = False) -> Routes | None:
+    chosen = routes(model, force)
+    apply(model, chosen)
+    return chosen

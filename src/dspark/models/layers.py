@@ -136,6 +136,7 @@ class Projection:
         self.packed = _pack(weight) if packed else None
         self.native = native and native_kernel.usable(weight) and (bias is None or bias.is_contiguous())
         self.native_rows = native_kernel.DEFAULT_ROWS  # measured per machine by kernel_choice.tune
+        self.pad_to: dict[int, int] = {}  # oneDNN calls of these row counts run padded (kernel_choice.tune)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -147,10 +148,11 @@ class Projection:
             return F.linear(x, self.weight, self.bias)
         return self.packed_linear(x)
 
-    def packed_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """oneDNN's product with the pre-packed weight, rows padded to a bucket."""
+    def packed_linear(self, x: torch.Tensor, size: int | None = None) -> torch.Tensor:
+        """oneDNN's product with the pre-packed weight, rows padded to `size`, else to where `pad_to` says a few rows
+        run faster (oneDNN takes a slower path for 1-2 rows on the dev CPU: kernel_choice.py), else to a bucket."""
         rows = x.shape[0]
-        size = bucket_rows(rows)
+        size = size or self.pad_to.get(rows) or bucket_rows(rows)
         if size != rows:
             x = torch.cat([x, x.new_zeros(size - rows, x.shape[1])])
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")[:rows]
