@@ -9,8 +9,9 @@ Two choices, both measured because they depend on the CPU and even on the VM's p
   step of 3-8 tokens then pays the slower kernel (57 -> 81 ms from 2 to 3 tokens with the limit at 2,
   results/serving-s19-early-stop/profile.txt).
 * Which row counts below `PAD_TO` oneDNN runs faster padded to `PAD_TO` rows. On the dev CPU its packed product
-  takes a slower path for 1-2 rows than for 4: SmolLM2's projections cost 15.3 ms at 2 rows and 12.9 at 4 in bf16,
-  27.0 and 22.1 in fp32 (results/forward-parts-s38). A bf16 model has no C kernel, so every decode step pays it.
+  takes a slower path for 1-2 rows than for 4: in a bf16 SmolLM2 forward its own time is 12.3 / 13.4 ms at 1 / 2
+  rows against 10.7 at 4 (results/forward-parts-s38). A bf16 model has no C kernel, so every decode step paid
+  it; padded, its forward is 1.05x faster at 1 row and 1.10x at 2 (results/pad-cost-s38).
 
 The measurement times every projection of one forward (the model's own weights, so the weight traffic is the
 real one) through each route, interleaved in rounds so that drift hits them alike: the C kernel, oneDNN, and for
