@@ -96,7 +96,8 @@ def main() -> None:
             for k, s in steps.items():
                 walls[k].append(s())
         spent = {k: parts(s, args.profiled) for k, s in steps.items()}
-        ops = sorted(spent[row_counts[-1]], key=lambda op: -spent[row_counts[-1]][op])[: args.top]
+        names = set().union(*(spent[k] for k in row_counts))  # the top operators at any row count
+        ops = sorted(names, key=lambda op: -max(spent[k].get(op, 0.0) for k in row_counts))[: args.top]
         for op in ops + ["(all operators)"]:
             row = {"dtype": name, "part": op}
             for k in row_counts:
