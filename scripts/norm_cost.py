@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from dspark.bench.common import machine_info, markdown_table, write_results
 from dspark.models import load_model, native_norm
-from dspark.models.transformer import Segment
+from forward_parts import stepper
 
 
 def per_call_us(fn, calls: int = 2000) -> float:
@@ -47,18 +47,7 @@ FORWARD_KEYS = ("forward_torch_ms", "forward_kernel_ms", "forward torch / kernel
 
 
 def in_forward(model, rows: int, repeats: int) -> dict:
-    cache = model.new_cache(capacity=400)
-    g = torch.Generator().manual_seed(0)
-    model.forward(torch.randint(0, 40_000, (300,), generator=g), [Segment(cache, 0, 300)],
-                  logit_rows=torch.tensor([299]))
-
-    def step() -> float:
-        cache.truncate(300)
-        tokens = torch.randint(0, 40_000, (rows,), generator=g)
-        t0 = time.perf_counter()
-        model.forward(tokens, [Segment(cache, 300, rows)], logit_rows=torch.arange(rows))
-        return time.perf_counter() - t0
-
+    step = stepper(model, rows)
     times = {True: [], False: []}
     for _ in range(3):
         step()
