@@ -6,6 +6,9 @@
  * loaded feeds MT multiply-adds and each x vector NT of them: with one row per call a 4-row product cost 4 times
  * the loads of a 1-row one, and this kernel lost to oneDNN's packed product from 3-4 rows up. 2 x 6 (12
  * accumulators, two x and one W register: 15 of AVX2's 16) was the fastest of 2x4, 2x5, 2x6, 3x4 and 4x3.
+ * AVX-512VL gives 256-bit code 32 registers, and there 2 x 12 (24 accumulators; 12 weight streams, closer to the
+ * one-row path's 16) cut SmolLM2's projections at 2 rows from 20.8 to 17.7 ms, at 8 from 33.0 to 29.5 (session 38,
+ * `python -m dspark.bench.kernels --compare-source`); 2 x 8 and 2 x 14 did less.
  *
  * Every output is one chain of 8-lane fused multiply-adds over k in order, a fixed horizontal sum, then the
  * scalar tail, whichever path computed it, so a row's result does not depend on how many rows share the call nor
@@ -20,8 +23,12 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));  /* aligned(4): r
 
 #define ROWS 16 /* W rows per block for a single x row */
 #define MT 2    /* x rows per tile */
-#define NT 6    /* W rows per tile */
-#define NB (NT * 4) /* W rows per parallel work item when tiling */
+#ifdef __AVX512VL__
+#define NT 12   /* W rows per tile: 24 accumulators, two x and one W register of 32 */
+#else
+#define NT 6    /* W rows per tile: 12 accumulators, two x and one W register of AVX2's 16 */
+#endif
+#define NB 24   /* W rows per parallel work item when tiling (a multiple of NT) */
 
 #ifdef __FMA__
 #include <immintrin.h>
