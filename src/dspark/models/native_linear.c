@@ -7,8 +7,8 @@
  * the loads of a 1-row one, and this kernel lost to oneDNN's packed product from 3-4 rows up. 2 x 6 (12
  * accumulators, two x and one W register: 15 of AVX2's 16) was the fastest of 2x4, 2x5, 2x6, 3x4 and 4x3.
  * AVX-512VL gives 256-bit code 32 registers, and there 2 x 12 (24 accumulators; 12 weight streams, closer to the
- * one-row path's 16) cut SmolLM2's projections at 2 rows from 20.8 to 17.7 ms, at 8 from 33.0 to 29.5 (session 38,
- * `python -m dspark.bench.kernels --compare-source`); 2 x 8 and 2 x 14 did less.
+ * one-row path's 16) cut SmolLM2's projections at 2 rows from 21.4 to 20.1 ms, at 8 from 32.7 to 30.3 (session 38,
+ * results/kernels-s38); 2 x 8 and 2 x 14 gained less in single runs.
  *
  * Every output is one chain of 8-lane fused multiply-adds over k in order, a fixed horizontal sum, then the
  * scalar tail, whichever path computed it, so a row's result does not depend on how many rows share the call nor
