@@ -13,9 +13,9 @@ import argparse
 import statistics
 from pathlib import Path
 
-from dspark.bench.common import machine_info, markdown_table, write_results
+from dspark.bench.common import machine_info, write_results
 from dspark.models import kernel_choice, load_model
-from forward_parts import stepper
+from forward_parts import render, stepper
 
 
 def compare(model, row_counts: list[int], rounds: int) -> list[dict]:
@@ -55,7 +55,7 @@ def main() -> None:
         native_rows = model.lm_head.native_rows if model.lm_head.native else None
         for row in compare(model, [int(r) for r in args.rows.split(",")], args.rounds):
             table.append({"dtype": name, "C kernel rows": native_rows if native_rows is not None else "-", **row})
-    text = markdown_table(list(table[0]), [list(r.values()) for r in table])
+    text = render(table)
     print(text)
     if args.out:
         cmd = f"`scripts/pad_cost.py --dtypes {args.dtypes} --rows {args.rows} --rounds {args.rounds}`"
