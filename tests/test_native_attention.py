@@ -128,6 +128,28 @@ def test_a_segment_does_not_depend_on_its_neighbours_or_the_thread_count():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,hd,window", [(9, 3, 64, None), (8, 2, 20, 11)])
+def test_a_verified_row_equals_the_same_token_decoded_alone(dtype, heads, kv_heads, hd, window):
+    """Speculative decoding verifies a draft in one multi-token segment where plain decoding attends one token a
+    step; the kernel blocks keys by 8 and query rows by 3, so every row must come out bitwise the same either way
+    (whatever block a key falls in, and with the rows after it in the segment masked)."""
+    g = torch.Generator().manual_seed(11)
+    start, n = 29, 8
+    cache = Cache(2, kv_heads, 48, hd, g, dtype)
+    q, k, v = (torch.randn(n, h, hd, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    fn, scale = native_attention.kernel(), hd ** -0.5
+    block = torch.empty(n, heads, hd, dtype=dtype)
+    native_attention.attend(fn, q, k, v, block, native_attention.segment_table([cache], [0], [start], [n]), 1,
+                            window, scale, None)
+    for i in range(n):  # the cache already holds every row of the block: each step rewrites its own row only
+        one = torch.empty(1, heads, hd, dtype=dtype)
+        native_attention.attend(fn, q[i:i + 1], k[i:i + 1], v[i:i + 1], one,
+                                native_attention.segment_table([cache], [0], [start + i], [1]), 1, window, scale, None)
+        assert torch.equal(one[0], block[i]), i
+
+
+@needs_kernel
 def test_rejects_layouts_it_cannot_read():
     caches = [Cache(1, 1, 4, 8, torch.Generator().manual_seed(0))]
     table = native_attention.segment_table(caches, [0], [0], [1])

@@ -36,6 +36,7 @@ _L, _P = ctypes.c_long, ctypes.c_void_p
 _ARGTYPES = [_P, _L, _P, _L, _P, _L, _P, _L, _P, _L, _L, _L, _L, _L, _L, ctypes.c_float, ctypes.c_float, ctypes.c_int,
              ctypes.c_int]
 DTYPES = (torch.float32, torch.bfloat16)
+CFLAGS = ("-ffp-contract=off",)
 
 
 def segment_table(caches: Sequence, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
@@ -116,7 +117,8 @@ class _Cache:
 @functools.cache
 def kernel(cache_dir: str | None = None):
     """The loaded C function, or None where it cannot be used. Cached per process."""
-    fn = native.load_function(SOURCE, "dspark_ragged_attention", cache_dir)
+    # contraction off: the source places every fused multiply-add itself (see its header)
+    fn = native.load_function(SOURCE, "dspark_ragged_attention", cache_dir, extra_flags=CFLAGS)
     if fn is None:
         return None
     fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
