@@ -66,13 +66,29 @@ def test_measured_once_then_read_from_the_cache(model, monkeypatch, caplog):
     assert json.loads(kernel_choice.cache_path(model).read_text())["version"] == kernel_choice.VERSION
 
 
-def test_a_bf16_model_without_our_kernel_measures_only_the_padding(monkeypatch, tmp_path):
+def bf16_model(monkeypatch, tmp_path):
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     monkeypatch.delenv("DSPARK_NATIVE_ROWS", raising=False)
     hf = hf_model("llama")
     config = parse_hf_config(json.loads(hf.config.to_json_string()))
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    model = build_transformer(config, state, torch.bfloat16, fast_kernels=True)
+    return build_transformer(config, state, torch.bfloat16, fast_kernels=True)
+
+
+@pytest.mark.skipif(native.kernel_bf16() is None, reason="no bf16 C kernel on this CPU (it needs AVX512-BF16)")
+def test_a_bf16_model_measures_our_bf16_kernel_beside_onednn(monkeypatch, tmp_path):
+    model = bf16_model(monkeypatch, tmp_path)
+    if not kernel_choice.is_tunable(model):
+        pytest.skip("this torch build has no packed oneDNN product")
+    assert kernel_choice.has_native(model)
+    chosen, table = kernel_choice.measure(model, rows=(1, 2, 4), rounds=1)
+    assert chosen.native_rows is not None and set(table) == {1, 2, 4}
+    assert set(table[1]) == {"native", "onednn", "padded"} and set(table[4]) == {"native", "onednn"}
+
+
+def test_a_bf16_model_without_our_kernel_measures_only_the_padding(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "kernel_bf16", lambda *a: None)  # a CPU without bf16 dot products
+    model = bf16_model(monkeypatch, tmp_path)
     if not kernel_choice.is_tunable(model):
         pytest.skip("this torch build has no packed oneDNN product")
     assert not kernel_choice.has_native(model)
@@ -145,7 +161,17 @@ def test_the_profile_key_names_the_kernel_version_and_the_limit(model):
     padded = profile_key("m", "float32", "d", model)
     assert padded.kernels.endswith("+pad1>4,2>4") and padded != eight
     kernel_choice.apply(model, Routes(8))
-    assert profile_key("m", "bfloat16", "d", model).kernels in ("torch", "attention", "norm", "attention+norm")
+    from dspark.models import native_attention
+    if native_attention.usable(model.dtype, model.device):  # a new attention kernel is re-profiled too
+        assert f"attention@{native_attention.source_hash()[:8]}" in eight.kernels
+
+
+def test_a_bf16_profile_key_names_our_kernel_only_where_it_serves(monkeypatch, tmp_path):
+    from dspark.engine.profiling import profile_key
+
+    model = bf16_model(monkeypatch, tmp_path)
+    key = profile_key("m", "bfloat16", "d", model).kernels
+    assert ("native@" in key) == (native.kernel_bf16() is not None) == model.lm_head.native
 
 
 def test_the_suite_measures_into_its_own_cache_not_the_users():
@@ -153,3 +179,23 @@ def test_the_suite_measures_into_its_own_cache_not_the_users():
 
     root = cache_root()
     assert root.name.startswith("dspark-test-cache-") and root != Path.home() / ".cache" / "dspark"
+
+
+@needs_kernel
+def test_profile_force_measures_the_routes_once(monkeypatch, tmp_path):
+    """`dspark profile --force` re-measures the routes itself, so loading the model must not measure them first
+    (with nothing cached it used to measure twice, ~15 s lost)."""
+    from dspark import cli
+    from dspark.engine import profiling
+
+    class Stop(Exception):
+        pass
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    monkeypatch.delenv("DSPARK_NATIVE_ROWS", raising=False)
+    calls = []
+    monkeypatch.setattr(kernel_choice, "measure", lambda model, *a, **k: calls.append(1) or (Routes(2), {}))
+    monkeypatch.setattr(profiling, "load_or_profile", lambda *a, **k: (_ for _ in ()).throw(Stop()))
+    with pytest.raises(Stop):
+        cli.main(["profile", "--force"])
+    assert calls == [1]

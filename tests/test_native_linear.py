@@ -10,19 +10,22 @@ from dspark.models import native
 from dspark.models.layers import Projection
 
 needs_kernel = pytest.mark.skipif(native.kernel() is None, reason="no C compiler here: the torch path is used")
+needs_bf16 = pytest.mark.skipif(native.kernel_bf16() is None, reason="no bf16 dot products (AVX512-BF16) here")
 
 
 @pytest.fixture
 def fresh_kernel():
     """Each test builds its own kernel state; the process-wide one is restored afterwards."""
     native.kernel.cache_clear()
+    native.kernel_bf16.cache_clear()
     yield native.kernel
     native.kernel.cache_clear()
+    native.kernel_bf16.cache_clear()
 
 
 def _run(x, w, b=None, threads=2):
-    y = torch.empty(x.shape[0], w.shape[0])
-    native.kernel()(x.data_ptr(), x.shape[0], w.data_ptr(), None if b is None else b.data_ptr(),
+    y = torch.empty(x.shape[0], w.shape[0], dtype=w.dtype)
+    (native.kernel() if w.dtype == torch.float32 else native.kernel_bf16())(x.data_ptr(), x.shape[0], w.data_ptr(), None if b is None else b.data_ptr(),
                     w.shape[0], w.shape[1], y.data_ptr(), threads)
     return y
 
@@ -57,6 +60,45 @@ def test_a_row_does_not_depend_on_its_batch_or_the_thread_count(m, n, k):
     assert torch.equal(_run(x[1:], w, b), alone[1:])  # the same row as first or second of a tile
 
 
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+@pytest.mark.parametrize("n,k", [(1, 1), (3, 15), (5, 16), (17, 64), (130, 577)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_matches_fp64_reference_to_one_rounding(m, n, k, with_bias):
+    """bf16 x, W and bias: fp32 sums, then one rounding to bf16 (the tolerance: half a bf16 ulp plus the fp32 sums'
+    error; the CPU's bf16 dot product flushes subnormals, which randn does not produce)."""
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = native.linear(x, w, b)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    scale = float((x.double().abs() @ w.double().abs().T).max())
+    assert ((got.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6 * k * scale + 1e-30).all()
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [2, 3, 4, 7])
+@pytest.mark.parametrize("n,k", [(1003, 576), (30, 1541), (5, 64)])
+def test_a_bf16_row_does_not_depend_on_its_batch_or_the_thread_count(m, n, k):
+    """As for fp32: bf16 decode, a verify step and another thread count give bitwise the same row."""
+    g = torch.Generator().manual_seed(m * n)
+    x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((m, k), (n, k), (n,)))
+    alone = torch.cat([_run(x[i:i + 1], w, b) for i in range(m)])
+    assert torch.equal(_run(x, w, b), alone)
+    assert torch.equal(_run(x, w, b, threads=1), alone)
+    assert torch.equal(_run(x[1:], w, b), alone[1:])
+
+
+@needs_bf16
+def test_a_bf16_projection_uses_it():
+    w = torch.randn(64, 32).bfloat16()
+    proj = Projection(w, packed=True, native=True)
+    x = torch.randn(1, 32).bfloat16()
+    assert proj.native and torch.equal(proj(x), native.linear(x, w))
+    assert proj(x).dtype == torch.bfloat16
+
+
 @needs_kernel
 def test_projection_uses_it_up_to_its_row_limit(monkeypatch):
     w = torch.randn(64, 32)
@@ -75,7 +117,7 @@ def test_projection_uses_it_up_to_its_row_limit(monkeypatch):
     proj(x).sum().backward()
     assert calls == [1, 2, 3, 8] and x.grad is not None
     assert not Projection(w, native=False).native
-    assert not Projection(w.double(), native=True).native  # fp32 only
+    assert not Projection(w.double(), native=True).native  # fp32 and bf16 only
 
 
 def test_disabled_by_environment(monkeypatch, fresh_kernel):

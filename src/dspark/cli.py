@@ -255,7 +255,7 @@ def run_profile(args) -> int:
 
     from .drafters import make_drafter
 
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype, tune=not args.force)  # --force measures the routes once, below
     if args.force:  # the kernel crossover is part of what a step costs, so it is measured again too
         chosen = kernel_choice.tune(loaded.model, force=True)
         if chosen is not None:

@@ -7,7 +7,7 @@ comes to the machine's memory bandwidth, which bounds batch-1 decoding. Alone (t
 moves with the VM's phase, and this table is the quick way to see where it is):
 
     .venv/bin/python -m dspark.bench.kernels --rows 1,2,3,4,8 --out results/kernels-s19
-    .venv/bin/python -m dspark.bench.kernels --dtype bfloat16 --rows 1,2,4,8,16  # torch and oneDNN only
+    .venv/bin/python -m dspark.bench.kernels --dtype bfloat16 --rows 1,2,4,8,16  # ours too where AVX512-BF16
 
 `--compare-source FILE.c` adds another build of `dspark_linear` (e.g. an earlier version from git, built with the
 flags it was built with then) to the same interleaved rounds, so two versions of our kernel meet in one run.
@@ -47,6 +47,8 @@ def _kernels(projs, compare: str | None = None) -> dict:
     out = {"torch linear": lambda p, x: F.linear(x, p.weight, p.bias)}
     if all(p.packed is not None for p in projs):
         out["oneDNN packed"] = lambda p, x: torch.ops.mkldnn._linear_pointwise(x, p.packed, p.bias, "none", [], "")
+        if any(p.pad_to for p in projs):  # the rows kernel_choice pads, padded as the engine runs them
+            out["oneDNN as padded"] = lambda p, x: p.packed_linear(x)
     if all(native.usable(p.weight) for p in projs):
         out["native (ours)"] = lambda p, x: native.linear(x, p.weight, p.bias)
         if compare:

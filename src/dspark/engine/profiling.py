@@ -177,13 +177,12 @@ def profile_key(model_id: str, dtype: str, drafter_id: str, model: Transformer) 
     or with another row limit for it (kernel_choice; read from `model`, which is therefore required: a key built
     without it never matched the cached one and every such caller re-measured and overwrote the profile) is stale
     and re-measured."""
-    fp32 = dtype == "float32"
     used = []
-    if fp32 and native.kernel() is not None:
+    if (dtype == "float32" and native.kernel() is not None) or model.lm_head.native:  # fp32 or bf16 (session 39)
         rows = "" if not model.lm_head.native else f"<={model.lm_head.native_rows}"
         used.append(f"native@{native.source_hash()[:8]}{rows}")
     if native_attention.usable(model.dtype, model.device):
-        used.append("attention")
+        used.append(f"attention@{native_attention.source_hash()[:8]}")
     if native_norm.serves(model.dtype, model.device):
         used.append("norm")
     if model.lm_head.pad_to:  # kernel_choice pads oneDNN's few-row calls (the same for every projection)

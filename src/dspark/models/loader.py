@@ -172,12 +172,15 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu",
+               tune: bool = True) -> LoadedModel:
+    """tune=False leaves the projection routes at their defaults (a caller about to measure them itself)."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(_DTYPES)}")
     dev = resolve_device(device)
     hf_dir = resolve(spec)
     config = load_hf_config(hf_dir)
     model = build_transformer(config, read_safetensors(hf_dir), _DTYPES[dtype], device=dev)
-    kernel_choice.tune(model)  # measured once per machine and cached (≈ 15 s on first use)
+    if tune:
+        kernel_choice.tune(model)  # measured once per machine and cached (≈ 15 s on first use)
     return LoadedModel(name=spec, model=model, tokenizer=load_tokenizer(hf_dir), hf_dir=hf_dir)

@@ -6,6 +6,10 @@ shapes, weights cold in cache; the projection table of `dspark bench runtime` re
 product reads them at ~20-23 GB/s for one row, this kernel at ~30 GB/s — the machine's read bandwidth. For more
 rows the crossover with oneDNN's blocking moves with the machine, so models/kernel_choice.py measures it.
 
+`kernel_bf16()` is the same kernel over bf16 weights and activations (fp32 sums through AVX512-BF16's dot
+products, each output rounded once to bf16), for a bf16 target: its one-token forward got 1.12x faster
+(results/native-cost-s39).
+
 The kernel is built once per source, flags and CPU into the dspark cache with the system C compiler (`$CC`, else
 `cc`). With no compiler, a failed build, a failed self-check, or `DSPARK_NATIVE=0`, `kernel()` is None and callers
 keep the torch path — slower, never wrong. Each output row is summed in a fixed order, so a row's result does not
@@ -80,14 +84,16 @@ def _build(cache_dir: Path, source_path: Path = SOURCE, extra_flags: tuple[str, 
     return None
 
 
-def _self_check(fn) -> bool:
-    """Guard against a miscompiled or ABI-mismatched library: compare with fp64 on awkward shapes."""
+def _self_check(fn, dtype: torch.dtype = torch.float32) -> bool:
+    """Guard against a miscompiled or ABI-mismatched library: compare with fp64 on awkward shapes (bf16: inputs
+    rounded to bf16 first, the output within a bf16 rounding plus the fp32 sums' error)."""
     g = torch.Generator().manual_seed(0)
-    for m, n, k in ((1, 7, 13), (3, 9, 40), (5, 4, 8), (4, 30, 19)):  # one-row blocks, tiles, leftovers
-        x, w, b = (torch.randn(*s, generator=g) for s in ((m, k), (n, k), (n,)))
-        y = torch.empty(m, n)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for m, n, k in ((1, 7, 13), (3, 9, 40), (5, 4, 8), (4, 30, 19), (2, 26, 48)):  # blocks, tiles, leftovers
+        x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((m, k), (n, k), (n,)))
+        y = torch.empty(m, n, dtype=dtype)
         fn(x.data_ptr(), m, w.data_ptr(), b.data_ptr(), n, k, y.data_ptr(), 1)
-        if not torch.allclose(y.double(), x.double() @ w.double().T + b.double(), rtol=1e-5, atol=1e-5):
+        if not torch.allclose(y.double(), x.double() @ w.double().T + b.double(), **tol):
             return False
     return True
 
@@ -110,31 +116,58 @@ def load_function(source: Path, symbol: str, cache_dir: str | None = None, extra
         return None
 
 
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+             ctypes.c_void_p, ctypes.c_int]
+CFLAGS = ("-ffp-contract=off",)  # the source places every fused multiply-add itself (see its header)
+
+
 @functools.cache
 def kernel(cache_dir: str | None = None):
     """The loaded C function, or None where it cannot be used (see the module docstring). Cached per process."""
-    # contraction off: the source places every fused multiply-add itself (see its header)
-    fn = load_function(SOURCE, "dspark_linear", cache_dir, extra_flags=("-ffp-contract=off",))
+    fn = load_function(SOURCE, "dspark_linear", cache_dir, extra_flags=CFLAGS)
     if fn is None:
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-    fn.restype = None
+    fn.argtypes, fn.restype = _ARGTYPES, None
     if not _self_check(fn):
         log.warning("the native projection kernel failed its self-check; using torch's kernels")
         return None
     return fn
 
 
+@functools.cache
+def kernel_bf16(cache_dir: str | None = None):
+    """The bf16 entry of the same library (bf16 x, W, bias and y; fp32 sums through the CPU's bf16 dot products),
+    or None where the CPU has none (it needs AVX512-BF16) or the fp32 kernel is unusable. Cached per process."""
+    if kernel(cache_dir) is None:
+        return None
+    supported = load_function(SOURCE, "dspark_linear_bf16_supported", cache_dir, extra_flags=CFLAGS)
+    if supported is None or not supported():
+        return None
+    fn = load_function(SOURCE, "dspark_linear_bf16", cache_dir, extra_flags=CFLAGS)
+    if fn is None:
+        return None
+    fn.argtypes, fn.restype = _ARGTYPES, None
+    if not _self_check(fn, torch.bfloat16):
+        log.warning("the native bf16 projection kernel failed its self-check; using torch's kernels")
+        return None
+    return fn
+
+
+def _kernel_for(dtype: torch.dtype):
+    return kernel() if dtype == torch.float32 else kernel_bf16() if dtype == torch.bfloat16 else None
+
+
 def usable(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous() \
-        and not weight.requires_grad and kernel() is not None
+    return weight.device.type == "cpu" and weight.is_contiguous() and not weight.requires_grad \
+        and _kernel_for(weight.dtype) is not None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] · weight [N, K]ᵀ (+ bias [N]) -> [M, N], fp32 on CPU; the caller checked `usable(weight)`."""
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], weight.shape[0])
-    kernel()(x.data_ptr(), x.shape[0], weight.data_ptr(), None if bias is None else bias.data_ptr(),
-             weight.shape[0], weight.shape[1], y.data_ptr(), torch.get_num_threads())
+    """x [M, K] · weight [N, K]ᵀ (+ bias [N]) -> [M, N] on CPU, all fp32 or all bf16 (the weight's dtype); the
+    caller checked `usable(weight)`."""
+    x = x.to(weight.dtype).contiguous()
+    bias = None if bias is None else bias.to(weight.dtype).contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=weight.dtype)
+    _kernel_for(weight.dtype)(x.data_ptr(), x.shape[0], weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                              weight.shape[0], weight.shape[1], y.data_ptr(), torch.get_num_threads())
     return y

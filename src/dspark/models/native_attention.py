@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 from pathlib import Path
 from typing import Sequence
@@ -37,6 +38,11 @@ _ARGTYPES = [_P, _L, _P, _L, _P, _L, _P, _L, _P, _L, _L, _L, _L, _L, _L, ctypes.
              ctypes.c_int]
 DTYPES = (torch.float32, torch.bfloat16)
 CFLAGS = ("-ffp-contract=off",)
+
+
+def source_hash() -> str:
+    """Which version of the kernel this is: a speed profile measured with another one is stale."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
 
 
 def segment_table(caches: Sequence, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
@@ -138,4 +144,4 @@ def usable(cache_dtype: torch.dtype, device: torch.device) -> bool:
 
 
 __all__ = ["DTYPES", "MAX_QUERIES", "MAX_QUERIES_BF16", "attend", "kernel", "max_queries", "reference", "segment_table",
-           "usable"]
+           "source_hash", "usable"]

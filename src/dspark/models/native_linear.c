@@ -14,12 +14,20 @@
  * scalar tail, whichever path computed it, so a row's result does not depend on how many rows share the call nor
  * on the thread count. The multiply-add is explicit (madd) and the file is built with -ffp-contract=off: left to
  * the compiler, contraction into FMA differed between the tile and the one-row code and broke that invariance.
+ * bf16 (session 39): the same blocks and tiles over bf16 x and W, each step one vdpbf16ps (16 bf16 values, fp32
+ * sums of pairs; AVX512-BF16 only, `dspark_linear_bf16_supported`), each output rounded once to bf16 as oneDNN's
+ * bf16 product rounds. A bf16 target had no C kernel; with this one its one-token forward went from 18.1 to 16.2
+ * ms (SmolLM2, interleaved: `scripts/pad_cost.py --toggle native`, results/native-cost-s39). From 2 rows oneDNN
+ * (padded) is as fast or faster, and kernel_choice measures where (results/kernels-s39/routes-bf16.json).
  * No -ffast-math: IEEE arithmetic only. Built by models/native.py with the system C compiler (GCC vector
  * extensions, OpenMP).
  */
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  /* aligned(4): rows need not be 32-byte aligned */
+typedef unsigned short bf16;
 
 #define ROWS 16 /* W rows per block for a single x row */
 #define MT 2    /* x rows per tile */
@@ -37,65 +45,121 @@ static inline v8 madd(v8 acc, v8 a, v8 b) { return (v8)_mm256_fmadd_ps((__m256)a
 static inline v8 madd(v8 acc, v8 a, v8 b) { return acc + a * b; }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define HAS_BF16 1
+/* acc[i] + w[2i]·x[2i] + w[2i+1]·x[2i+1] over the 16 bf16 values held in each of w and x (one vdpbf16ps) */
+static inline v8 dot2(v8 acc, v8 w, v8 x) { return (v8)_mm256_dpbf16_ps((__m256)acc, (__m256bh)w, (__m256bh)x); }
+#else
+#define HAS_BF16 0
+static inline v8 dot2(v8 acc, v8 w, v8 x) { (void)w; (void)x; return acc; } /* never called */
+#endif
+
+/* Whether dspark_linear_bf16 may be called: it needs the CPU's bf16 dot products (AVX512-BF16). */
+int dspark_linear_bf16_supported(void) { return HAS_BF16; }
+
+static inline float widen1(bf16 h) {
+  const unsigned u = (unsigned)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* fp32 -> the nearest bf16, ties to even; NaN stays a (quiet) NaN. */
+static inline bf16 narrow(float f) {
+  unsigned u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 static inline float hsum(v8 a) {
   return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
-static inline float finish(v8 acc, const float *x, const float *w, long k8, long K, const float *bias) {
-  float s = hsum(acc);
-  for (long k = k8; k < K; k++) s += w[k] * x[k];
-  return bias ? s + *bias : s;
+/* Elements per step of the k loop: 8 fp32 lanes, or 16 bf16 values (8 pairs) for dot2. */
+#define STEP(bf) ((bf) ? 16L : 8L)
+
+/* 32 bytes at element k of an fp32 or bf16 array: 8 fp32 lanes, or 16 bf16 values as dot2 reads them. */
+static inline __attribute__((always_inline)) v8 load(const void *p, long k, int bf) {
+  return bf ? *(const v8 *)((const bf16 *)p + k) : *(const v8 *)((const float *)p + k);
 }
 
-/* One x row against nw ≤ ROWS rows of W. Inlined with a constant nw, the loops unroll into registers. */
-static inline __attribute__((always_inline)) void block(const float *x, const float *w, int nw, long K,
-                                                         const float *bias, float *y) {
+/* acc += one step's products of a W vector and an x vector (inlined with a constant bf). */
+static inline __attribute__((always_inline)) v8 step(v8 acc, v8 w, v8 x, int bf) {
+  return bf ? dot2(acc, w, x) : madd(acc, w, x);
+}
+
+/* The sum of acc's lanes, the scalar tail k0 <= k < K and the bias, stored to *y (bf16: rounded once). */
+static inline __attribute__((always_inline)) void finish(v8 acc, const void *x, const void *w, long k0, long K,
+                                                         const void *bias, void *y, int bf) {
+  float s = hsum(acc);
+  if (bf) {
+    for (long k = k0; k < K; k++) s += widen1(((const bf16 *)w)[k]) * widen1(((const bf16 *)x)[k]);
+    *(bf16 *)y = narrow(bias ? s + widen1(*(const bf16 *)bias) : s);
+  } else {
+    for (long k = k0; k < K; k++) s += ((const float *)w)[k] * ((const float *)x)[k];
+    *(float *)y = bias ? s + *(const float *)bias : s;
+  }
+}
+
+/* Pointer to element i of an fp32 or bf16 array; NULL stays NULL (an absent bias). */
+static inline __attribute__((always_inline)) const void *at(const void *p, long i, int bf) {
+  if (!p) return NULL;
+  return bf ? (const void *)((const bf16 *)p + i) : (const void *)((const float *)p + i);
+}
+
+/* One x row against nw ≤ ROWS rows of W. Inlined with constant nw and bf, the loops unroll into registers. */
+static inline __attribute__((always_inline)) void block(const void *x, const void *w, int nw, long K,
+                                                         const void *bias, void *y, int bf) {
   v8 acc[ROWS];
   for (int r = 0; r < ROWS; r++) acc[r] = (v8){0};
-  const long k8 = K & ~7L;
-  for (long k = 0; k < k8; k += 8) {
-    const v8 xv = *(const v8 *)(x + k);
-    for (int r = 0; r < nw; r++) acc[r] = madd(acc[r], *(const v8 *)(w + r * K + k), xv);
+  const long ks = K & ~(STEP(bf) - 1);
+  for (long k = 0; k < ks; k += STEP(bf)) {
+    const v8 xv = load(x, k, bf);
+    for (int r = 0; r < nw; r++) acc[r] = step(acc[r], load(w, r * K + k, bf), xv, bf);
   }
-  for (int r = 0; r < nw; r++) y[r] = finish(acc[r], x, w + r * K, k8, K, bias ? bias + r : NULL);
+  for (int r = 0; r < nw; r++) finish(acc[r], x, at(w, r * K, bf), ks, K, at(bias, r, bf), (void *)at(y, r, bf), bf);
 }
 
 /* Rows x[0..MT) against W rows w[0..NT); y has row stride N. */
-static inline __attribute__((always_inline)) void tile(const float *x, const float *w, long K, const float *bias,
-                                                        float *y, long N) {
+static inline __attribute__((always_inline)) void tile(const void *x, const void *w, long K, const void *bias,
+                                                        void *y, long N, int bf) {
   v8 acc[MT][NT];
   for (int m = 0; m < MT; m++)
     for (int r = 0; r < NT; r++) acc[m][r] = (v8){0};
-  const long k8 = K & ~7L;
-  for (long k = 0; k < k8; k += 8) {
+  const long ks = K & ~(STEP(bf) - 1);
+  for (long k = 0; k < ks; k += STEP(bf)) {
     v8 xv[MT];
-    for (int m = 0; m < MT; m++) xv[m] = *(const v8 *)(x + m * K + k);
+    for (int m = 0; m < MT; m++) xv[m] = load(x, m * K + k, bf);
     for (int r = 0; r < NT; r++) {
-      const v8 wv = *(const v8 *)(w + r * K + k);
-      for (int m = 0; m < MT; m++) acc[m][r] = madd(acc[m][r], wv, xv[m]);
+      const v8 wv = load(w, r * K + k, bf);
+      for (int m = 0; m < MT; m++) acc[m][r] = step(acc[m][r], wv, xv[m], bf);
     }
   }
   for (int m = 0; m < MT; m++)
-    for (int r = 0; r < NT; r++) y[m * N + r] = finish(acc[m][r], x + m * K, w + r * K, k8, K, bias ? bias + r : NULL);
+    for (int r = 0; r < NT; r++)
+      finish(acc[m][r], at(x, m * K, bf), at(w, r * K, bf), ks, K, at(bias, r, bf), (void *)at(y, m * N + r, bf), bf);
 }
 
 /* x rows [m0, m1) against W rows [n, n1), one row at a time in blocks of at most ROWS. */
-static void rows_one_by_one(const float *x, long m0, long m1, const float *w, const float *bias, long n, long n1,
-                            long N, long K, float *y) {
+static inline __attribute__((always_inline)) void rows_one_by_one(const void *x, long m0, long m1, const void *w,
+                                                                   const void *bias, long n, long n1, long N, long K,
+                                                                   void *y, int bf) {
   for (long m = m0; m < m1; m++)
     for (long j = n; j < n1; j += ROWS) {
-      const float *b = bias ? bias + j : NULL;
-      if (n1 - j >= ROWS) block(x + m * K, w + j * K, ROWS, K, b, y + m * N + j);
-      else block(x + m * K, w + j * K, (int)(n1 - j), K, b, y + m * N + j);
+      const void *xm = at(x, m * K, bf), *wj = at(w, j * K, bf), *bj = at(bias, j, bf);
+      void *ym = (void *)at(y, m * N + j, bf);
+      if (n1 - j >= ROWS) block(xm, wj, ROWS, K, bj, ym, bf);
+      else block(xm, wj, (int)(n1 - j), K, bj, ym, bf);
     }
 }
 
-/* x [M, K], w [N, K], bias [N] or NULL, y [M, N]; all row-major and contiguous. */
-void dspark_linear(const float *x, long M, const float *w, const float *bias, long N, long K, float *y,
-                   int threads) {
+/* x [M, K], w [N, K], bias [N] or NULL, y [M, N]: row-major and contiguous, all fp32 or (bf) all bf16. */
+static inline __attribute__((always_inline)) void linear(const void *x, long M, const void *w, const void *bias,
+                                                          long N, long K, void *y, int threads, int bf) {
   if (M == 1) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n += ROWS) rows_one_by_one(x, 0, 1, w, bias, n, n + ROWS < N ? n + ROWS : N, N, K, y);
+    for (long n = 0; n < N; n += ROWS) rows_one_by_one(x, 0, 1, w, bias, n, n + ROWS < N ? n + ROWS : N, N, K, y, bf);
     return;
   }
   const long mt = M - M % MT; /* x rows covered by tiles; an odd last row goes alone */
@@ -104,8 +168,20 @@ void dspark_linear(const float *x, long M, const float *w, const float *bias, lo
     const long n1 = n + NB < N ? n + NB : N;
     const long j1 = n + (n1 - n) / NT * NT; /* W rows covered by tiles */
     for (long j = n; j < j1; j += NT)  /* each NT-row slice of W is reused by every x tile while cached */
-      for (long m = 0; m < mt; m += MT) tile(x + m * K, w + j * K, K, bias ? bias + j : NULL, y + m * N + j, N);
-    rows_one_by_one(x, 0, mt, w, bias, j1, n1, N, K, y);
-    rows_one_by_one(x, mt, M, w, bias, n, n1, N, K, y);
+      for (long m = 0; m < mt; m += MT)
+        tile(at(x, m * K, bf), at(w, j * K, bf), K, at(bias, j, bf), (void *)at(y, m * N + j, bf), N, bf);
+    rows_one_by_one(x, 0, mt, w, bias, j1, n1, N, K, y, bf);
+    rows_one_by_one(x, mt, M, w, bias, n, n1, N, K, y, bf);
   }
+}
+
+void dspark_linear(const float *x, long M, const float *w, const float *bias, long N, long K, float *y, int threads) {
+  linear(x, M, w, bias, N, K, y, threads, 0);
+}
+
+/* The same for bf16 x, w, bias and y, with fp32 sums (dot2 steps) and each output rounded once to bf16. Call it
+ * only where dspark_linear_bf16_supported() says so. */
+void dspark_linear_bf16(const bf16 *x, long M, const bf16 *w, const bf16 *bias, long N, long K, bf16 *y,
+                        int threads) {
+  if (HAS_BF16) linear(x, M, w, bias, N, K, y, threads, 1);
 }
