@@ -98,10 +98,9 @@ def _self_check(fn, dtype: torch.dtype = torch.float32) -> bool:
     return True
 
 
-def load_function(source: Path, symbol: str, cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()):
-    """`symbol` from `source` built into the dspark cache (with `extra_flags` after each flag set), or None (no
-    compiler, failed build or load, or `DSPARK_NATIVE=0`). The caller sets the signature and runs its own
-    self-check."""
+def load_library(source: Path, cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()):
+    """The library built from `source` into the dspark cache (with `extra_flags` after each flag set), or None (no
+    compiler, failed build or load, or `DSPARK_NATIVE=0`)."""
     if os.environ.get("DSPARK_NATIVE", "1") == "0":
         return None
     from .loader import cache_root
@@ -110,9 +109,20 @@ def load_function(source: Path, symbol: str, cache_dir: str | None = None, extra
     if path is None:
         return None
     try:
-        return getattr(ctypes.CDLL(str(path)), symbol)
-    except (OSError, AttributeError) as exc:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
         log.warning("could not load %s (%s); using torch's kernels", path, exc)
+        return None
+
+
+def load_function(source: Path, symbol: str, cache_dir: str | None = None, extra_flags: tuple[str, ...] = ()):
+    """`symbol` from `load_library(source, ...)`, or None. The caller sets the signature and runs its own
+    self-check."""
+    lib = load_library(source, cache_dir, extra_flags)
+    try:
+        return None if lib is None else getattr(lib, symbol)
+    except AttributeError as exc:
+        log.warning("%s has no %s (%s); using torch's kernels", source.name, symbol, exc)
         return None
 
 
@@ -138,14 +148,10 @@ def kernel(cache_dir: str | None = None):
 def kernel_bf16(cache_dir: str | None = None):
     """The bf16 entry of the same library (bf16 x, W, bias and y; fp32 sums through the CPU's bf16 dot products),
     or None where the CPU has none (it needs AVX512-BF16) or the fp32 kernel is unusable. Cached per process."""
-    if kernel(cache_dir) is None:
+    lib = load_library(SOURCE, cache_dir, extra_flags=CFLAGS) if kernel(cache_dir) is not None else None
+    if lib is None or not lib.dspark_linear_bf16_supported():
         return None
-    supported = load_function(SOURCE, "dspark_linear_bf16_supported", cache_dir, extra_flags=CFLAGS)
-    if supported is None or not supported():
-        return None
-    fn = load_function(SOURCE, "dspark_linear_bf16", cache_dir, extra_flags=CFLAGS)
-    if fn is None:
-        return None
+    fn = lib.dspark_linear_bf16
     fn.argtypes, fn.restype = _ARGTYPES, None
     if not _self_check(fn, torch.bfloat16):
         log.warning("the native bf16 projection kernel failed its self-check; using torch's kernels")
