@@ -101,6 +101,31 @@ def forwards(builds: dict, dtypes: list[str], shapes: list[str], rounds: int) ->
     return rows
 
 
+def layer_calls(builds: dict, dtypes: list[str], shapes: list[str], calls: int, rounds: int) -> list[dict]:
+    """Median ms of one layer's call with each build, and the largest difference of its output from ours."""
+    rows = []
+    for dtype in (getattr(torch, d) for d in dtypes):
+        for shape in shapes:
+            q, k, v, table, _caches = case(*(int(x) for x in shape.split("x")), dtype)
+            outs = {name: torch.empty_like(q) for name in builds}
+
+            def runner(name):
+                def run():
+                    for _ in range(calls):
+                        native_attention.attend(builds[name], q, k, v, outs[name], table, 0, None, HD ** -0.5, None)
+                return run
+            medians = shuffled_medians({name: runner(name) for name in builds}, rounds=rounds)
+            ms = {name: 1e3 * s / calls for name, s in medians.items()}
+            diff = max((outs[a].float() - outs["ours"].float()).abs().max().item() for a in builds)
+            row = {"dtype": str(dtype).removeprefix("torch."), "shape": shape, **{f"{n} ms": ms[n] for n in builds},
+                   "max |diff|": diff}
+            if len(builds) > 1:
+                row["speedup"] = ms[next(n for n in builds if n != "ours")] / ms["ours"]
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="1x1x300,1x2x300,1x8x300,1x8x1000,16x1x300",
@@ -117,43 +142,18 @@ def main(argv=None) -> int:
     builds = {"ours": build(None)}
     if args.compare_source:
         builds[args.compare_source.stem] = build(args.compare_source, tuple(args.compare_flags.split()))
-    rows, data = [], {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": []}
+    data = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}}
     if args.forward:
-        rows = data["rows"] = forwards(builds, args.dtypes.split(","), args.forward.split(","), args.rounds)
-        md = ("# SmolLM2 forwards by attention build (`scripts/attention_kernel_cost.py --forward`), median ms\n\n"
-              + markdown_table(list(rows[0]), [list(r.values()) for r in rows]) + "\n")
-        print(md)
-        if args.out:
-            write_results(args.out, "attention_forward", data, md)
-        return 0
-    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
-        for shape in args.shapes.split(","):
-            segments, queries, context = (int(x) for x in shape.split("x"))
-            q, k, v, table, _caches = case(segments, queries, context, dtype)
-            outs = {name: torch.empty_like(q) for name in builds}
-
-            def runner(name):
-                def run():
-                    for _ in range(args.calls):
-                        native_attention.attend(builds[name], q, k, v, outs[name], table, 0, None, HD ** -0.5, None)
-                return run
-            medians = shuffled_medians({name: runner(name) for name in builds}, rounds=args.rounds)
-            ms = {name: 1e3 * s / args.calls for name, s in medians.items()}
-            diff = max(((outs[a].float() - outs["ours"].float()).abs().max().item() for a in builds), default=0.0)
-            row = {"dtype": str(dtype).removeprefix("torch."), "shape": shape, **{f"{n} ms": ms[n] for n in builds},
-                   "max |diff|": diff}
-            if len(builds) > 1:
-                other = next(n for n in builds if n != "ours")
-                row["speedup"] = ms[other] / ms["ours"]
-            rows.append(row)
-            data["rows"].append(row)
-            print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
-                  flush=True)
-    md = ("# One layer of ragged attention (`scripts/attention_kernel_cost.py`), median ms a call\n\n"
+        rows = forwards(builds, args.dtypes.split(","), args.forward.split(","), args.rounds)
+        name, title = "attention_forward", "SmolLM2 forwards by attention build (`--forward`), median ms"
+    else:
+        rows = layer_calls(builds, args.dtypes.split(","), args.shapes.split(","), args.calls, args.rounds)
+        name, title = "attention_kernel", "One layer of ragged attention, median ms a call"
+    md = (f"# {title} (`scripts/attention_kernel_cost.py`)\n\n"
           + markdown_table(list(rows[0]), [list(r.values()) for r in rows]) + "\n")
     print(md)
     if args.out:
-        write_results(args.out, "attention_kernel", data, md)
+        write_results(args.out, name, data | {"rows": rows}, md)
     return 0
 
 
