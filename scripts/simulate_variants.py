@@ -52,6 +52,7 @@ def thinned(traces: AcceptanceTraces, keep: float, seed: int = 0) -> AcceptanceT
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafter", default="dspark")
+    ap.add_argument("--dtype", default="float32", help="the target's dtype (its own profile)")
     ap.add_argument("--variants", default=VARIANTS, help="policies, comma-separated (none is always run)")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32")
     ap.add_argument("--requests-per-client", type=int, default=16)
@@ -63,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     if not 0.0 < args.keep <= 1.0:
         ap.error(f"--keep must lie in (0, 1], got {args.keep}")
-    cfg = ServeBenchConfig(drafter=args.drafter, policies=("none",), concurrency=(1,))
+    cfg = ServeBenchConfig(drafter=args.drafter, policies=("none",), concurrency=(1,), dtype=args.dtype)
     loaded, drafter, prompts, _, _ = setup(cfg)
     profile = load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id, loaded.model),
                               drafter=drafter, prefill=True)
