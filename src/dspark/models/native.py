@@ -7,7 +7,7 @@ product reads them at ~20-23 GB/s for one row, this kernel at ~30 GB/s — the m
 rows the crossover with oneDNN's blocking moves with the machine, so models/kernel_choice.py measures it.
 
 `kernel_bf16()` is the same kernel over bf16 weights and activations (fp32 sums through AVX512-BF16's dot
-products, each output rounded once to bf16), for a bf16 target: its one-token forward got 1.12x faster
+products, each output rounded once to bf16), for a bf16 target: its one-token forward got 1.13x faster
 (results/native-cost-s39).
 
 The kernel is built once per source, flags and CPU into the dspark cache with the system C compiler (`$CC`, else

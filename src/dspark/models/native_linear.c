@@ -16,7 +16,7 @@
  * the compiler, contraction into FMA differed between the tile and the one-row code and broke that invariance.
  * bf16 (session 39): the same blocks and tiles over bf16 x and W, each step one vdpbf16ps (16 bf16 values, fp32
  * sums of pairs; AVX512-BF16 only, `dspark_linear_bf16_supported`), each output rounded once to bf16 as oneDNN's
- * bf16 product rounds. A bf16 target had no C kernel; with this one its one-token forward went from 18.1 to 16.2
+ * bf16 product rounds. A bf16 target had no C kernel; with this one its one-token forward went from 17.2 to 15.2
  * ms (SmolLM2, interleaved: `scripts/pad_cost.py --toggle native`, results/native-cost-s39). From 2 rows oneDNN
  * (padded) is as fast or faster, and kernel_choice measures where (results/kernels-s39/routes-bf16.json).
  * No -ffast-math: IEEE arithmetic only. Built by models/native.py with the system C compiler (GCC vector
@@ -154,34 +154,41 @@ static inline __attribute__((always_inline)) void rows_one_by_one(const void *x,
     }
 }
 
-/* x [M, K], w [N, K], bias [N] or NULL, y [M, N]: row-major and contiguous, all fp32 or (bf) all bf16. */
-static inline __attribute__((always_inline)) void linear(const void *x, long M, const void *w, const void *bias,
-                                                          long N, long K, void *y, int threads, int bf) {
-  if (M == 1) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n += ROWS) rows_one_by_one(x, 0, 1, w, bias, n, n + ROWS < N ? n + ROWS : N, N, K, y, bf);
-    return;
-  }
+/* Work item n of a product of M >= 2 rows: W rows [n, n + NB) against every x row. */
+static inline __attribute__((always_inline)) void tiled_item(const void *x, long M, const void *w, const void *bias,
+                                                              long n, long N, long K, void *y, int bf) {
   const long mt = M - M % MT; /* x rows covered by tiles; an odd last row goes alone */
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (long n = 0; n < N; n += NB) {
-    const long n1 = n + NB < N ? n + NB : N;
-    const long j1 = n + (n1 - n) / NT * NT; /* W rows covered by tiles */
-    for (long j = n; j < j1; j += NT)  /* each NT-row slice of W is reused by every x tile while cached */
-      for (long m = 0; m < mt; m += MT)
-        tile(at(x, m * K, bf), at(w, j * K, bf), K, at(bias, j, bf), (void *)at(y, m * N + j, bf), N, bf);
-    rows_one_by_one(x, 0, mt, w, bias, j1, n1, N, K, y, bf);
-    rows_one_by_one(x, mt, M, w, bias, n, n1, N, K, y, bf);
-  }
+  const long n1 = n + NB < N ? n + NB : N;
+  const long j1 = n + (n1 - n) / NT * NT; /* W rows covered by tiles */
+  for (long j = n; j < j1; j += NT)  /* each NT-row slice of W is reused by every x tile while cached */
+    for (long m = 0; m < mt; m += MT)
+      tile(at(x, m * K, bf), at(w, j * K, bf), K, at(bias, j, bf), (void *)at(y, m * N + j, bf), N, bf);
+  rows_one_by_one(x, 0, mt, w, bias, j1, n1, N, K, y, bf);
+  rows_one_by_one(x, mt, M, w, bias, n, n1, N, K, y, bf);
 }
 
+/* x [M, K], w [N, K], bias [N] or NULL, y [M, N]: row-major and contiguous, all fp32 or (BF) all bf16. A macro,
+ * not an inline function: GCC outlines an OpenMP region before inlining, so a region inside a shared function
+ * received bf as a run-time value and tested it in the inner loops (fp32 at 8 rows ran 6-18 % slower). */
+#define LINEAR(x, M, w, bias, N, K, y, threads, BF)                                                              \
+  do {                                                                                                          \
+    if ((M) == 1) {                                                                                             \
+      _Pragma("omp parallel for schedule(static) num_threads(threads)")                                        \
+      for (long n = 0; n < (N); n += ROWS)                                                                      \
+        rows_one_by_one(x, 0, 1, w, bias, n, n + ROWS < (N) ? n + ROWS : (N), N, K, y, BF);                     \
+    } else {                                                                                                    \
+      _Pragma("omp parallel for schedule(static) num_threads(threads)")                                        \
+      for (long n = 0; n < (N); n += NB) tiled_item(x, M, w, bias, n, N, K, y, BF);                             \
+    }                                                                                                           \
+  } while (0)
+
 void dspark_linear(const float *x, long M, const float *w, const float *bias, long N, long K, float *y, int threads) {
-  linear(x, M, w, bias, N, K, y, threads, 0);
+  LINEAR(x, M, w, bias, N, K, y, threads, 0);
 }
 
 /* The same for bf16 x, w, bias and y, with fp32 sums (dot2 steps) and each output rounded once to bf16. Call it
  * only where dspark_linear_bf16_supported() says so. */
 void dspark_linear_bf16(const bf16 *x, long M, const bf16 *w, const bf16 *bias, long N, long K, bf16 *y,
                         int threads) {
-  if (HAS_BF16) linear(x, M, w, bias, N, K, y, threads, 1);
+  if (HAS_BF16) LINEAR(x, M, w, bias, N, K, y, threads, 1);
 }
