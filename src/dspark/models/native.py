@@ -169,10 +169,9 @@ def usable(weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] · weight [N, K]ᵀ (+ bias [N]) -> [M, N] on CPU, all fp32 or all bf16 (the weight's dtype); the
-    caller checked `usable(weight)`."""
-    x = x.to(weight.dtype).contiguous()
-    bias = None if bias is None else bias.to(weight.dtype).contiguous()
+    """x [M, K] · weight [N, K]ᵀ (+ bias [N]) -> [M, N] on CPU, all of the weight's dtype (fp32 or bf16; a bias
+    contiguous); the caller checked `usable(weight)`. No conversions here: ~1 µs a call, 121 calls a SmolLM2 step."""
+    x = x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=weight.dtype)
     _kernel_for(weight.dtype)(x.data_ptr(), x.shape[0], weight.data_ptr(), None if bias is None else bias.data_ptr(),
                               weight.shape[0], weight.shape[1], y.data_ptr(), torch.get_num_threads())
