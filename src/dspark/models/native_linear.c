@@ -169,7 +169,7 @@ static inline __attribute__((always_inline)) void tiled_item(const void *x, long
 
 /* x [M, K], w [N, K], bias [N] or NULL, y [M, N]: row-major and contiguous, all fp32 or (BF) all bf16. A macro,
  * not an inline function: GCC outlines an OpenMP region before inlining, so a region inside a shared function
- * received bf as a run-time value and tested it in the inner loops (fp32 at 8 rows ran 6-18 % slower). */
+ * received bf as a run-time value and tested it in the inner loops (fp32 ran slower at 3-8 rows). */
 #define LINEAR(x, M, w, bias, N, K, y, threads, BF)                                                              \
   do {                                                                                                          \
     if ((M) == 1) {                                                                                             \
