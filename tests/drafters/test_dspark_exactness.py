@@ -294,11 +294,12 @@ RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0
          "probes soon once the load halves": dict(probe_every=1, max_probe_every=2, far_probe_every=16,
                                                   probe_requests=1, min_gain=0.5, max_age=4),
          "priced at the context": dict(min_gain=0.0, max_age=4),
-         "depth capped by the spread of K": dict(spread_depth=1, min_gain=0.0, max_age=4)}
+         "depth capped by the spread of K": dict(spread_depth=1, min_gain=0.0, max_age=4),
+         "depth priced with K": dict(joint_depth=1, explore_every=2, min_gain=0.0, max_age=4)}
 # Requests each test runs at once where a rule needs load: these rules fire only while a probe (of one request)
 # drafts part of the batch, and the far back-off's load must then halve; at T = 1 requests live three steps.
 RUNNING = {"greedy": {"confirmed thin pool": 3, "far back-off": 2, "probes soon once the load halves": 2,
-                      "depth capped by the spread of K": 3},
+                      "depth capped by the spread of K": 3, "depth priced with K": 3},
            "seeded": {"confirmed thin pool": 3},
            "t1": {"confirmed thin pool": 3, "far back-off": 3, "probes soon once the load halves": 3}}
 
@@ -398,6 +399,9 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
             seen.add("no extra slot")
         if policy.last_capacity and policy.draft_depth(drafter.gamma) < min(drafter.gamma, policy.last_capacity + 1):
             seen.add("depth capped by the spread of K")
+        if policy.last_capacity and policy._depth and policy.draft_depth(drafter.gamma) != min(
+                drafter.gamma, policy.last_capacity + 1) and not policy._explore:
+            seen.add("depth priced with K")  # neither K + 1 nor the exploring slot: the joint price chose it
         return lengths
 
     policy.prepare, policy.select = spy, select_spy
@@ -416,7 +420,7 @@ def _capacity_priced_by(policy, profile, n_requests: int) -> int:
     from dspark.scheduling.policies import capacity_from_survivals
 
     _, pool = policy._old_confidences()
-    return capacity_from_survivals([a for _, a in pool], [c.shape for c, _ in pool], profile, n_requests)[0]
+    return capacity_from_survivals([a for _, a, _ in pool], [c.shape for c, _, _ in pool], profile, n_requests)[0]
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))

@@ -703,11 +703,86 @@ def test_async_policy_prices_k_from_kept_survivals_exactly_as_from_confidences()
         n_req = int(rng.choice([1, 1, 1, 2, 3]))
         _, pool = policy._old_confidences()
         if pool:
-            shapes = [c.shape for c, _ in pool]
-            want = best_capacity([c for c, _ in pool], prof, n_requests=n_req)
-            assert capacity_from_survivals([a for _, a in pool], shapes, prof, n_req) == want
+            shapes = [c.shape for c, _, _ in pool]
+            want = best_capacity([c for c, _, _ in pool], prof, n_requests=n_req)
+            assert capacity_from_survivals([a for _, a, _ in pool], shapes, prof, n_req) == want
             compared, shapes_seen = compared + 1, shapes_seen | set(shapes)
         drafts = policy.prepare(n_req)
         c = rng.beta(2, 2, size=(n_req, policy.draft_depth(7))) if drafts else None
         policy.select(c, n_requests=n_req, gamma=7)
     assert compared > 200 and len({g for _, g in shapes_seen}) > 1 and len({r for r, _ in shapes_seen}) > 1
+
+
+# ---------------------------------------------------------------- K and the drafted depth priced together
+
+
+def ref_capacity_and_depth(steps, prof, base):
+    """Every (K, depth) by brute force: depth d priced from the pooled steps that drafted >= d slots, truncated."""
+    from dspark.scheduling.policies import pooled_gains
+
+    plain = base / prof.step_s(base, n_requests=base)
+    best = (0, 0, -np.inf)
+    for d in range(1, max(c.shape[1] for c in steps) + 1):
+        gains = pooled_gains([c[:, :d] for c in steps if c.shape[1] >= d], n_requests=base)
+        for k in range(1, base * d + 1):
+            theta = (base + gains[k]) * prof.sps(base + k, n_requests=base, depth=d)
+            if theta > best[2]:
+                best = (k, d, theta)
+    return best[0], best[1], best[2] / plain
+
+
+def test_capacity_and_depth_matches_brute_force_over_mixed_pools():
+    """Pools of steps of other R and of other drafted depths (a probe's full block, an exploring slot): the same
+    (K, depth) as trying every pair, and the same predicted gain."""
+    from dspark.scheduling.policies import capacity_and_depth, depth_survivals
+
+    prof = SpeedProfile((1, 4, 8, 16), (1.0, 1.25, 1.6, 2.4), (1, 4, 8), (0.3, 0.5, 0.9),
+                        shallow_draft_seconds=(0.1, 0.2, 0.35), draft_depth=7)
+    rng = np.random.default_rng(3)
+    depths_chosen = set()
+    for _ in range(150):
+        base = int(rng.choice([1, 2, 3, 4]))
+        steps = [rng.beta(3, 1.5, size=(int(rng.choice([1, 2, base])), int(rng.integers(1, 8))))
+                 for _ in range(int(rng.integers(1, 5)))]
+        k, d, ratio = capacity_and_depth([depth_survivals(c) for c in steps], [c.shape[0] for c in steps], prof, base)
+        want = ref_capacity_and_depth(steps, prof, base)
+        assert (k, d) == want[:2] and ratio == pytest.approx(want[2], rel=1e-12)
+        assert 1 <= k <= base * d
+        depths_chosen.add(d)
+    assert len(depths_chosen) >= 3
+
+
+def test_joint_depth_drafts_two_slots_for_two_requests_where_k_plus_one_refuses():
+    """Two requests whose first two slots are near-certain, on a machine where verifying up to four drafts is free
+    but every drafted slot costs: fixed-2's shape (K = 4 at depth 2) pays, and the joint price finds it. Priced at
+    depth K + 1, K = 4 drafts five slots a request and loses to plain decoding, so that policy never drafts."""
+    prof = SpeedProfile((2, 6, 8), (0.010, 0.010, 0.020), (1, 2, 16), (0.0185, 0.0185, 0.0185),
+                        shallow_draft_seconds=(0.0015, 0.0015, 0.0015), draft_depth=7)
+    c = np.tile([[0.5, 0.9, 0.2, 0.2, 0.2, 0.2, 0.2]], (2, 1))
+    joint, plain = AsyncPolicy(prof, joint_depth=True, explore_every=1000), AsyncPolicy(prof)
+    for pol in (joint, plain):
+        for _ in range(6):
+            drafts = pol.prepare(2)
+            pol.select(c[:, :pol.draft_depth(7)] if drafts else None, n_requests=2)
+    assert (joint.last_capacity, joint.draft_depth(7)) == (4, 2) and joint.last_ratio > 1.3
+    assert plain.last_capacity == 0 and plain.last_ratio < 1.0
+
+
+def test_joint_depth_explores_one_slot_deeper_every_explore_every_drafting_steps():
+    """The priced depth is drafted, and one slot more on the first drafting step and every explore_every-th after
+    it, so that the pool learns whether a deeper draft would pay; before any pool the whole block is drafted."""
+    c = np.array([[0.95, 0.9, 0.1, 0.1, 0.1, 0.1, 0.1]])
+    pol = AsyncPolicy(JUMP, joint_depth=True, explore_every=3, min_gain=0.0)
+    steps = []
+    for _ in range(14):
+        drafts = pol.prepare(1)
+        steps.append((pol.draft_depth(7), pol._depth, pol._explore, pol.last_capacity))
+        pol.select(c[:, :steps[-1][0]] if drafts else None, n_requests=1)
+    assert [s[0] for s in steps[:2]] == [7, 7] and steps[0][3] is None  # no pool old enough: Algorithm 1
+    drafting = steps[2:]
+    assert all(k and depth == priced + explore for depth, priced, explore, k in drafting)
+    assert [s[2] for s in drafting] == [i % 3 == 0 for i in range(len(drafting))]
+    assert {s[1] for s in drafting[-6:]} == {2} and {s[3] for s in drafting[-6:]} == {2}
+    for bad in (dict(joint_depth=2), dict(explore_every=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            AsyncPolicy(FLAT, **bad)

@@ -8,8 +8,8 @@ import numpy as np
 
 from .acceptance_tracker import AcceptanceTracker
 from .live_profile import LiveProfile
-from .policies import (SPS, capacity_from_survivals, could_grow, draft_depth_for, rounded_context, step_survivals,
-                       sync_prefix_schedule, top_k_lengths)
+from .policies import (SPS, capacity_and_depth, capacity_from_survivals, could_grow, depth_survivals,
+                       draft_depth_for, rounded_context, step_survivals, sync_prefix_schedule, top_k_lengths)
 from .policy_objects import need_confidences
 
 
@@ -88,6 +88,16 @@ class AsyncPolicy:
     results/spread-s29). Lossless: the cap reads only old confidences. K is still priced at depth K + 1, which
     errs on the side of drafting less.
 
+    With ``joint_depth`` K and the drafted depth d are priced together: each d from 1 to the deepest any pooled
+    step drafted, priced from the pooled steps that drafted at least d slots, truncated to d, with drafting at d,
+    and the best (K <= R·d, d) wins (``capacity_and_depth``); top-K then picks among the d slots drafted. Priced at
+    depth K + 1, K = 4 at R = 2 charged five drafted slots a request where two requests verifying two drafts each
+    need two, which is exactly fixed-2's step, so the policy chose K = 3 at depth 3-4 where fixed-2 drafted 2; in
+    the simulator it reached 0.96 of fixed-2 at C = 2 on calibrated traffic (results/sim-variants-s40). A depth
+    nothing in the pool drafted cannot be priced, so every ``explore_every``-th drafting step (the first of a
+    run included) drafts one slot more, for the history only. Lossless: d, K and the exploring step read only old
+    confidences and counts of past decisions.
+
     With ``online_calibration`` (policy ``async-online``) every confidence it uses is first scaled by the ratio of
     accepted to predicted drafts on the verified slots so far (``acceptance_tracker.py``); the engine reports each
     verified step through ``observe_outcomes``. Not the default: on the dev CPU it lowered the verify budget where
@@ -136,7 +146,8 @@ class AsyncPolicy:
                  reprobe_every: int | None = None, max_age: int | None = 16, near_loss: float = 0.05,
                  early_stop: bool = False, lean_depth: bool = False, live: bool = False, steady_run: int = 1,
                  confirm: bool = False, far_loss: float = 0.1, far_probe_every: int | None = None,
-                 price_context: bool = True, spread_depth: bool = True):
+                 price_context: bool = True, spread_depth: bool = True, joint_depth: bool = False,
+                 explore_every: int = 4):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -189,6 +200,11 @@ class AsyncPolicy:
         if spread_depth not in (0, 1):
             raise ValueError(f"spread_depth must be a bool (0 or 1), got {spread_depth!r}")
         self.spread_depth = bool(spread_depth)
+        if joint_depth not in (0, 1):
+            raise ValueError(f"joint_depth must be a bool (0 or 1), got {joint_depth!r}")
+        if explore_every < 1:
+            raise ValueError(f"explore_every must be >= 1, got {explore_every}")
+        self.joint_depth, self.explore_every = bool(joint_depth), explore_every
         self.live = LiveProfile(sps) if live else None  # kept across reset(): it describes the machine
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
@@ -203,9 +219,10 @@ class AsyncPolicy:
         return base.at_context(self._context) if self._context and hasattr(base, "at_context") else base
 
     def reset(self) -> None:
-        # (step, confidences, their sorted survivals) of the last drafted steps: enough to pool `pool_steps` of
-        # them `lag` steps back; the survivals are kept so re-pricing K does not redo them for every pooled step
-        self._history: deque[tuple[int, np.ndarray, np.ndarray]] = deque(maxlen=self.lag + self.pool_steps)
+        # (step, confidences, their sorted survivals, those at each depth (joint_depth)) of the last drafted steps:
+        # enough to pool `pool_steps` of them `lag` steps back; the survivals are kept so re-pricing K does not redo
+        # them for every pooled step
+        self._history: deque[tuple] = deque(maxlen=self.lag + self.pool_steps)
         self._step = 0  # index of the step being planned
         self._skipped = 0  # drafter-skipped steps in a row
         self._interval = self.probe_every  # skipped steps before the next probe
@@ -217,7 +234,11 @@ class AsyncPolicy:
         self._probing = False  # this step is a probe (drafts only `probe_requests` requests)
         # (pool steps, R, tracker ratio), the best K they priced, Θ_K / Θ_0, whether K + 1 could pay (lean_depth),
         # the longest prefix one request took of that K in the pooled steps (spread_depth; None: not limited)
-        self._memo: tuple = (None, 0, 1.0, True, None)
+        # and the depth to draft (joint_depth; 0: K + 1)
+        self._memo: tuple = (None, 0, 1.0, True, None, 0)
+        self._depth = 0  # see joint_depth
+        self._explore = False  # this step drafts one slot past the priced depth (joint_depth)
+        self._drafting_steps = 0  # K > 0 steps so far (joint_depth explores on every explore_every-th)
         self._grow = True  # draft the extra slot (see lean_depth)
         self._spread: int | None = None  # see spread_depth
         self.last_capacity: int | None = None  # K of the current/last step (None: Algorithm 1)
@@ -232,12 +253,12 @@ class AsyncPolicy:
         steps, pool = [], []
         oldest = -1 if self.max_age is None else self._step - self.max_age
         rows = 0
-        for step, c, survivals in reversed(self._history):
+        for step, c, survivals, by_depth in reversed(self._history):
             if step < oldest and pool:  # too old to pool, unless it is all there is (then K keeps its basis)
                 break
             if step <= self._step - self.lag and len(pool) < self.pool_steps:
                 steps.append(step)
-                pool.append((c, survivals))
+                pool.append((c, survivals, by_depth))
                 rows += c.shape[0]
                 if rows >= self.pool_requests:
                     break
@@ -255,17 +276,8 @@ class AsyncPolicy:
             key = (pool_steps, n_requests, None if self.tracker is None else self.tracker.ratio,
                    None if self.live is None else self.live.rebuilds, self._context)
             if key != self._memo[0]:  # while the drafter is skipped nothing changes: K is reused, not recomputed
-                shapes = [c.shape for c, _ in c_old]
-                if self.tracker is not None:  # scaled confidences: their survivals change too
-                    survivals = [step_survivals(self.tracker.adjust(c)) for c, _ in c_old]
-                else:
-                    survivals = [a for _, a in c_old]
-                priced = capacity_from_survivals(survivals, shapes, self.sps, n_requests)
-                grow = (not self.lean_depth or priced[0] < 1
-                        or could_grow(survivals, shapes, self.sps, n_requests, priced[0]))
-                spread = self._longest_share(c_old, n_requests, priced[0]) if self.spread_depth else None
-                self._memo = (key, *priced, grow, spread)
-            _, best, ratio, self._grow, self._spread = self._memo
+                self._memo = (key, *self._price(c_old, n_requests))
+            _, best, ratio, self._grow, self._spread, self._depth = self._memo
             self.last_ratio = ratio
             margin = self.stay_gain if self.last_capacity else self.min_gain  # hysteresis: drafting keeps on
             starting = not self.last_capacity
@@ -275,6 +287,8 @@ class AsyncPolicy:
                 self._confirmed = pool_steps
         self._probing = False
         self._run = self._run + 1 if self.last_capacity else 0
+        self._explore = bool(self.last_capacity) and self._drafting_steps % self.explore_every == 0
+        self._drafting_steps += bool(self.last_capacity)
         if self.last_capacity:  # when this run ends, look again soon if a probe is just a drafting step
             if n_requests <= self.probe_requests:
                 self._interval, self._far_load = self.reprobe_every, 0
@@ -291,6 +305,20 @@ class AsyncPolicy:
         self._planned = True
         return self.last_capacity != 0
 
+    def _price(self, c_old, n_requests: int) -> tuple[int, float, bool, int | None, int]:
+        """(best K, Θ_K / Θ_0, grow, spread, depth) from the pooled steps (see ``prepare``)."""
+        adjust = self.tracker.adjust if self.tracker is not None else None  # scaled: their survivals change too
+        if self.joint_depth:
+            by_depth = [depth_survivals(adjust(c)) if adjust else d for c, _, d in c_old]
+            best, depth, ratio = capacity_and_depth(by_depth, [c.shape[0] for c, _, _ in c_old], self.sps, n_requests)
+            return best, ratio, True, None, depth
+        shapes = [c.shape for c, _, _ in c_old]
+        survivals = [step_survivals(adjust(c)) if adjust else a for c, a, _ in c_old]
+        best, ratio = capacity_from_survivals(survivals, shapes, self.sps, n_requests)
+        grow = not self.lean_depth or best < 1 or could_grow(survivals, shapes, self.sps, n_requests, best)
+        spread = self._longest_share(c_old, n_requests, best) if self.spread_depth else None
+        return best, ratio, grow, spread, 0
+
     def _next_interval(self, ratio: float, n_requests: int) -> int:
         """Skipped steps before the probe after this one: soon while drafting is near paying at a load a probe
         drafts whole; doubling up to ``max_probe_every``, or ``far_probe_every`` while it is far from paying."""
@@ -303,13 +331,15 @@ class AsyncPolicy:
 
     def _thin(self, c_old, n_requests: int) -> bool:
         """Whether the pool holds fewer rows than the batch it prices (a probe's two rows for eight requests)."""
-        return sum(c.shape[0] for c, _ in c_old) < min(self.pool_requests, n_requests)
+        return sum(c.shape[0] for c, *_ in c_old) < min(self.pool_requests, n_requests)
 
     def draft_depth(self, gamma: int) -> int:
         """Slots worth drafting this step (after ``prepare``): K caps how deep any request can verify, and with
         ``spread_depth`` so does the longest prefix one request took in the pooled steps."""
         if self.last_capacity is None:
             return gamma
+        if self._depth:  # joint_depth: the priced depth, one slot more on exploring steps
+            return min(gamma, self._depth + self._explore)
         cap = self.last_capacity if self._grow else self.last_capacity - 1
         if self._spread is not None:
             cap = min(cap, self._spread)
@@ -322,7 +352,7 @@ class AsyncPolicy:
         if capacity < 1:
             return None
         longest = 1
-        for c, _ in c_old:
+        for c, _, _ in c_old:
             k = max(1, round(capacity * c.shape[0] / n_requests))
             longest = max(longest, int(top_k_lengths(c, k).max()))
         return longest
@@ -349,7 +379,7 @@ class AsyncPolicy:
         c = need_confidences(self.name, c)
         kept = c if drafted is None else c[list(drafted)]
         kept = kept.copy()  # the caller may reuse its buffer next step
-        self._history.append((step, kept, step_survivals(kept)))
+        self._history.append((step, kept, step_survivals(kept), depth_survivals(kept) if self.joint_depth else None))
         if self.tracker is not None:
             c = self.tracker.adjust(c)
         if self.last_capacity is None:
