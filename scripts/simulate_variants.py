@@ -4,6 +4,8 @@
     .venv/bin/python scripts/simulate_variants.py --variants async,async:confirm=1 --concurrency 4 --seeds 3
     .venv/bin/python scripts/simulate_variants.py --concurrency 1,2 --keep 0.85 \
         --traces results/calibration-s34/traces.npz
+    .venv/bin/python scripts/simulate_variants.py --dtype bfloat16 --concurrency 1,2,4 --walk \
+        --traces results/calibration-s34/traces.npz
 
 `--keep S` replays traffic on which the calibrated confidences are over-confident: each accepted draft of a
 recorded round stays accepted with probability S (slot j's with S^j, since acceptance is left to right), the
@@ -60,6 +62,8 @@ def main() -> None:
     ap.add_argument("--traces", default="results/calibration-more/traces.npz")
     ap.add_argument("--keep", type=float, default=1.0,
                     help="each accepted draft stays accepted with this probability (over-confident traffic)")
+    ap.add_argument("--walk", action="store_true",
+                    help="each request replays consecutive recorded rounds (see simulate), not a random one a step")
     ap.add_argument("--out", default=None, help="directory for variants.json and variants.md")
     args = ap.parse_args()
     if not 0.0 < args.keep <= 1.0:
@@ -79,7 +83,7 @@ def main() -> None:
                                                                       traces.gamma),
                                         ClosedLoop(c, 64, prompt_mix=rotated(mix, seed % 3, 3), output_spread=0.5,
                                                    requests_per_client=args.requests_per_client),
-                                        seed=seed).throughput_tps for seed in range(args.seeds)])
+                                        seed=seed, walk=args.walk).throughput_tps for seed in range(args.seeds)])
         rows.append({"concurrency": c, "none_tok_s": round(float(np.median(tps["none"])), 1),
                      **{v: round(float(np.median(tps[v] / tps["none"])), 4) for v in variants[1:]}})
     table = ("| C | none tok/s | " + " | ".join(variants[1:]) + " |\n|---|---|" + "---|" * (len(variants) - 1) + "\n"
@@ -87,7 +91,7 @@ def main() -> None:
                                                                                 for v in variants[1:]) + " |\n"
                        for r in rows))
     meta = {"profile": profile.key.as_dict() if profile.key else profile.source, "traces": args.traces,
-            "keep": args.keep, "mean_accepted": round(float(traces.n_acc.mean()), 4),
+            "keep": args.keep, "walk": args.walk, "mean_accepted": round(float(traces.n_acc.mean()), 4),
             "seeds": args.seeds, "requests_per_client": args.requests_per_client, **machine_info()}
     print(f"simulated throughput over plain decoding, median over {args.seeds} seeds\n\n{table}")
     if args.out:

@@ -283,7 +283,7 @@ def test_t1_output_distribution_with_partial_probes():
 RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0.9, max_age=4),
          "near-threshold probe": dict(min_gain=0.5, near_loss=0.9, max_age=4),
          "early stop below K": dict(early_stop=1, min_gain=0.0, max_age=4),
-         "no extra slot": dict(lean_depth=1, min_gain=0.0, max_age=4),
+         "no extra slot": dict(lean_depth=1, joint_requests=0, min_gain=0.0, max_age=4),
          "live step prices": dict(live=1, min_gain=0.0, max_age=4),
          "confirmed thin pool": dict(confirm=1, steady_run=4, probe_requests=1, probe_every=2, stay_gain=None,
                                      min_gain=0.1, max_age=4),
@@ -295,7 +295,7 @@ RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0
                                                   probe_requests=1, min_gain=0.5, max_age=4),
          "priced at the context": dict(min_gain=0.0, max_age=4),
          "depth capped by the spread of K": dict(spread_depth=1, min_gain=0.0, max_age=4),
-         "depth priced with K": dict(joint_depth=1, explore_every=2, min_gain=0.0, max_age=4)}
+         "depth priced with K": dict(joint_requests=3, explore_every=2, min_gain=0.0, max_age=4)}
 # Requests each test runs at once where a rule needs load: these rules fire only while a probe (of one request)
 # drafts part of the batch, and the far back-off's load must then halve; at T = 1 requests live three steps.
 RUNNING = {"greedy": {"confirmed thin pool": 3, "far back-off": 2, "probes soon once the load halves": 2,

@@ -187,7 +187,8 @@ def test_could_grow_asks_whether_the_next_draft_could_pay_at_its_best():
 def test_async_lean_depth_drafts_the_extra_slot_only_while_k_could_grow():
     c = np.array([[0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3]])
     for prof, extra in ((JUMP, 0), (FLAT, 1)):
-        pol, plain = AsyncPolicy(prof, lean_depth=True, min_gain=0.0), AsyncPolicy(prof, min_gain=0.0)
+        pol, plain = (AsyncPolicy(prof, lean_depth=True, min_gain=0.0, joint_requests=0),  # K + 1's slot: the old way
+                       AsyncPolicy(prof, min_gain=0.0, joint_requests=0))
         for _ in range(4):
             for p in (pol, plain):
                 p.prepare(1)
@@ -522,8 +523,9 @@ def test_async_policy_reuses_k_while_its_pool_is_unchanged(monkeypatch):
     import dspark.scheduling.async_policy as ap
 
     calls = []
-    real = ap.capacity_from_survivals
-    monkeypatch.setattr(ap, "capacity_from_survivals", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("capacity_from_survivals", "capacity_and_depth"):  # K alone, or with the depth (R <= 2)
+        real = getattr(ap, name)
+        monkeypatch.setattr(ap, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     prof = SpeedProfile((1, 4, 8), (1.0, 1.25, 1.6), (1, 8), (0.3, 0.3))
     rng = np.random.default_rng(2)
     memo, fresh = AsyncPolicy(prof, probe_every=4), AsyncPolicy(prof, probe_every=4)
@@ -553,7 +555,7 @@ def test_async_prices_and_drafts_only_as_deep_as_k_can_use():
                            draft_depth=5)
     assert async_capacity(c, deep) == 0
     assert async_capacity(c, shallow) == 1
-    pol = AsyncPolicy(shallow, pool_requests=1)
+    pol = AsyncPolicy(shallow, pool_requests=1, joint_requests=0)  # K priced at depth K + 1
     assert pol.prepare(1) and pol.draft_depth(5) == 5  # no history yet: Algorithm 1 on the full block
     pol.select(c)
     pol.prepare(1), pol.select(c)
@@ -759,7 +761,7 @@ def test_joint_depth_drafts_two_slots_for_two_requests_where_k_plus_one_refuses(
     prof = SpeedProfile((2, 6, 8), (0.010, 0.010, 0.020), (1, 2, 16), (0.0185, 0.0185, 0.0185),
                         shallow_draft_seconds=(0.0015, 0.0015, 0.0015), draft_depth=7)
     c = np.tile([[0.5, 0.9, 0.2, 0.2, 0.2, 0.2, 0.2]], (2, 1))
-    joint, plain = AsyncPolicy(prof, joint_depth=True, explore_every=1000), AsyncPolicy(prof)
+    joint, plain = AsyncPolicy(prof, explore_every=1000), AsyncPolicy(prof, joint_requests=0)
     for pol in (joint, plain):
         for _ in range(6):
             drafts = pol.prepare(2)
@@ -772,7 +774,7 @@ def test_joint_depth_explores_one_slot_deeper_every_explore_every_drafting_steps
     """The priced depth is drafted, and one slot more on the first drafting step and every explore_every-th after
     it, so that the pool learns whether a deeper draft would pay; before any pool the whole block is drafted."""
     c = np.array([[0.95, 0.9, 0.1, 0.1, 0.1, 0.1, 0.1]])
-    pol = AsyncPolicy(JUMP, joint_depth=True, explore_every=3, min_gain=0.0)
+    pol = AsyncPolicy(JUMP, explore_every=3, min_gain=0.0)
     steps = []
     for _ in range(14):
         drafts = pol.prepare(1)
@@ -783,6 +785,6 @@ def test_joint_depth_explores_one_slot_deeper_every_explore_every_drafting_steps
     assert all(k and depth == priced + explore for depth, priced, explore, k in drafting)
     assert [s[2] for s in drafting] == [i % 3 == 0 for i in range(len(drafting))]
     assert {s[1] for s in drafting[-6:]} == {2} and {s[3] for s in drafting[-6:]} == {2}
-    for bad in (dict(joint_depth=2), dict(explore_every=0)):
+    for bad in (dict(joint_requests=-1), dict(explore_every=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             AsyncPolicy(FLAT, **bad)

@@ -133,3 +133,30 @@ def test_prefill_lowers_throughput_more_at_high_concurrency():
         with_prompt = simulate(prof, tr, FixedPolicy(0), ClosedLoop(c, output_tokens=64, prompt_tokens=512))
         ratio[c] = with_prompt.throughput_tps / plain.throughput_tps
     assert ratio[64] < ratio[1] <= 1.0
+
+
+def test_walk_replays_each_requests_rounds_in_recorded_order():
+    """With walk, every request shows the policy the round after the one it showed last step (from its own random
+    start, wrapping at the end); new requests of a closed loop and open-loop arrivals start afresh. Without it the
+    rounds come in no order."""
+    m, gamma = 500, 3
+    conf = np.repeat((np.arange(m) / m)[:, None], gamma, axis=1)  # round i's confidences all read i / m
+    traces = AcceptanceTraces(conf, np.zeros(m, dtype=np.int64))
+
+    class Spy:  # verifies one draft a request, and notes which round each request showed
+        needs_confidence, name = True, "spy"
+
+        def prepare(self, n_requests):
+            return True
+
+        def select(self, c, **kw):
+            shown.append(np.rint(c[:, 0] * m).astype(int))
+            return np.ones(c.shape[0], dtype=np.int64)
+
+    for arrival in (ClosedLoop(3, 40, requests_per_client=3), Poisson(rate=200.0, n_requests=12, output_tokens=40)):
+        for walk in (True, False):
+            shown = []
+            simulate(gpu_like_profile(), traces, Spy(), arrival, seed=2, walk=walk)
+            steps = [(a, b) for a, b in zip(shown, shown[1:]) if a.size == b.size]  # mostly the same requests
+            follows = np.mean([np.mean((b - a) % m == 1) for a, b in steps])
+            assert (follows > 0.9) if walk else (follows < 0.1), (arrival, walk, follows)

@@ -88,15 +88,21 @@ class AsyncPolicy:
     results/spread-s29). Lossless: the cap reads only old confidences. K is still priced at depth K + 1, which
     errs on the side of drafting less.
 
-    With ``joint_depth`` K and the drafted depth d are priced together: each d from 1 to the deepest any pooled
-    step drafted, priced from the pooled steps that drafted at least d slots, truncated to d, with drafting at d,
-    and the best (K <= R·d, d) wins (``capacity_and_depth``); top-K then picks among the d slots drafted. Priced at
-    depth K + 1, K = 4 at R = 2 charged five drafted slots a request where two requests verifying two drafts each
-    need two, which is exactly fixed-2's step, so the policy chose K = 3 at depth 3-4 where fixed-2 drafted 2; in
-    the simulator it reached 0.96 of fixed-2 at C = 2 on calibrated traffic (results/sim-variants-s40). A depth
-    nothing in the pool drafted cannot be priced, so every ``explore_every``-th drafting step (the first of a
-    run included) drafts one slot more, for the history only. Lossless: d, K and the exploring step read only old
-    confidences and counts of past decisions.
+    At loads of at most ``joint_requests`` requests (default 2) K and the drafted depth d are priced together:
+    each d from 1 to the deepest any pooled step drafted, priced from the pooled steps that drafted at least d
+    slots, truncated to d, with drafting at d, and the best (K <= R·d, d) wins (``capacity_and_depth``); top-K
+    then picks among the slots drafted. Priced at depth K + 1, K = 4 at R = 2 charged five drafted slots a request
+    where two requests verifying two drafts each need two, exactly fixed-2's step: the policy settled on K = 3 at
+    depth 3-4, and with fixed-2 in the grid it reached 0.93-0.94 of it at C = 2 (bf16, T = 1; joint pricing
+    0.96-0.99 in the same runs: results/serving-s40-t1-bf16, -joint-low, -joint-online, -joint-c4). A depth
+    nothing in the pool drafted cannot be priced, so every ``explore_every``-th drafting step (counted over the
+    whole run, the first one included) drafts one slot more; top-K may take it too. Why not at every load: at C = 4
+    joint pricing found MTP-1's shape (K = R, depth 1) worth drafting off a probe's two rows, where on this CPU
+    MTP-1 runs at 0.94 of plain decoding; drafting runs that start after skipped steps pay for feeding the drafter
+    the states it missed, which the profile does not price, and pricing at depth K + 1 kept that margin (async
+    0.976-0.987 of the best fixed policy at C = 4 with it, 0.961-0.981 with joint pricing, in the same runs). With
+    R <= ``probe_requests`` every probe drafts all requests, so pools are whole and drafting runs long. Lossless:
+    d, K and the exploring step read only old confidences and counts of past decisions.
 
     With ``online_calibration`` (policy ``async-online``) every confidence it uses is first scaled by the ratio of
     accepted to predicted drafts on the verified slots so far (``acceptance_tracker.py``); the engine reports each
@@ -146,8 +152,8 @@ class AsyncPolicy:
                  reprobe_every: int | None = None, max_age: int | None = 16, near_loss: float = 0.05,
                  early_stop: bool = False, lean_depth: bool = False, live: bool = False, steady_run: int = 1,
                  confirm: bool = False, far_loss: float = 0.1, far_probe_every: int | None = None,
-                 price_context: bool = True, spread_depth: bool = True, joint_depth: bool = False,
-                 explore_every: int = 4):
+                 price_context: bool = True, spread_depth: bool = True, joint_requests: int = 2,
+                 explore_every: int = 8):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -200,11 +206,11 @@ class AsyncPolicy:
         if spread_depth not in (0, 1):
             raise ValueError(f"spread_depth must be a bool (0 or 1), got {spread_depth!r}")
         self.spread_depth = bool(spread_depth)
-        if joint_depth not in (0, 1):
-            raise ValueError(f"joint_depth must be a bool (0 or 1), got {joint_depth!r}")
+        if joint_requests < 0:
+            raise ValueError(f"joint_requests must be >= 0 (0: never), got {joint_requests}")
         if explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {explore_every}")
-        self.joint_depth, self.explore_every = bool(joint_depth), explore_every
+        self.joint_requests, self.explore_every = int(joint_requests), explore_every
         self.live = LiveProfile(sps) if live else None  # kept across reset(): it describes the machine
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
@@ -219,7 +225,7 @@ class AsyncPolicy:
         return base.at_context(self._context) if self._context and hasattr(base, "at_context") else base
 
     def reset(self) -> None:
-        # (step, confidences, their sorted survivals, those at each depth (joint_depth)) of the last drafted steps:
+        # (step, confidences, their sorted survivals, those at each depth (joint_requests)) of the last drafted steps:
         # enough to pool `pool_steps` of them `lag` steps back; the survivals are kept so re-pricing K does not redo
         # them for every pooled step
         self._history: deque[tuple] = deque(maxlen=self.lag + self.pool_steps)
@@ -234,11 +240,11 @@ class AsyncPolicy:
         self._probing = False  # this step is a probe (drafts only `probe_requests` requests)
         # (pool steps, R, tracker ratio), the best K they priced, Θ_K / Θ_0, whether K + 1 could pay (lean_depth),
         # the longest prefix one request took of that K in the pooled steps (spread_depth; None: not limited)
-        # and the depth to draft (joint_depth; 0: K + 1)
+        # and the depth to draft (joint_requests; 0: K + 1)
         self._memo: tuple = (None, 0, 1.0, True, None, 0)
-        self._depth = 0  # see joint_depth
-        self._explore = False  # this step drafts one slot past the priced depth (joint_depth)
-        self._drafting_steps = 0  # K > 0 steps so far (joint_depth explores on every explore_every-th)
+        self._depth = 0  # see joint_requests
+        self._explore = False  # this step drafts one slot past the priced depth (joint_requests)
+        self._drafting_steps = 0  # K > 0 steps so far (joint_requests explores on every explore_every-th)
         self._grow = True  # draft the extra slot (see lean_depth)
         self._spread: int | None = None  # see spread_depth
         self.last_capacity: int | None = None  # K of the current/last step (None: Algorithm 1)
@@ -308,7 +314,7 @@ class AsyncPolicy:
     def _price(self, c_old, n_requests: int) -> tuple[int, float, bool, int | None, int]:
         """(best K, Θ_K / Θ_0, grow, spread, depth) from the pooled steps (see ``prepare``)."""
         adjust = self.tracker.adjust if self.tracker is not None else None  # scaled: their survivals change too
-        if self.joint_depth:
+        if n_requests <= self.joint_requests:
             by_depth = [depth_survivals(adjust(c)) if adjust else d for c, _, d in c_old]
             best, depth, ratio = capacity_and_depth(by_depth, [c.shape[0] for c, _, _ in c_old], self.sps, n_requests)
             return best, ratio, True, None, depth
@@ -338,7 +344,7 @@ class AsyncPolicy:
         ``spread_depth`` so does the longest prefix one request took in the pooled steps."""
         if self.last_capacity is None:
             return gamma
-        if self._depth:  # joint_depth: the priced depth, one slot more on exploring steps
+        if self._depth:  # joint_requests: the priced depth, one slot more on exploring steps
             return min(gamma, self._depth + self._explore)
         cap = self.last_capacity if self._grow else self.last_capacity - 1
         if self._spread is not None:
@@ -379,7 +385,7 @@ class AsyncPolicy:
         c = need_confidences(self.name, c)
         kept = c if drafted is None else c[list(drafted)]
         kept = kept.copy()  # the caller may reuse its buffer next step
-        self._history.append((step, kept, step_survivals(kept), depth_survivals(kept) if self.joint_depth else None))
+        self._history.append((step, kept, step_survivals(kept), depth_survivals(kept) if self.joint_requests else None))
         if self.tracker is not None:
             c = self.tracker.adjust(c)
         if self.last_capacity is None:

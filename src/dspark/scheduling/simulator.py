@@ -1,6 +1,7 @@
 """Serving simulator: continuous batching under a verification policy, driven by a speed profile and traces.
 
-Each step every running request replays a random recorded round (confidences c [γ], accepted count n_acc), the
+Each step every running request replays a random recorded round (``walk``: its next one; confidences c [γ],
+accepted count n_acc), the
 policy picks ℓ for all of them at once, request r emits min(n_acc_r, ℓ_r) + 1 tokens, and the clock advances by
 step_s(B = R + sum ℓ, R requests) + draft_s(R'), R' the requests drafted (all, or fewer on an async probe), the
 drafting cost being skipped on steps where the policy's ``prepare`` says the drafter need not run (plain decoding;
@@ -73,8 +74,13 @@ def _prefill_take(prefill: np.ndarray, chunk: int) -> np.ndarray:
 
 
 def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: Arrival, *, seed: int = 0,
-             prefill_chunk: int = 512) -> SimResult:
-    """Run one simulation. ``policy`` is a registry policy object (AsyncPolicy is reset first)."""
+             prefill_chunk: int = 512, walk: bool = False) -> SimResult:
+    """Run one simulation. ``policy`` is a registry policy object (AsyncPolicy is reset first).
+
+    ``walk``: each request replays consecutive recorded rounds from a random start instead of a random round each
+    step. ``dspark calibrate`` records a request's rounds in order, so a walk keeps how a request's confidences
+    follow one another (their lag-1 correlation is 0.33 in results/calibration-s34/traces.npz), which is what an
+    async scheduler's old confidences can know of the current step; independent draws leave it nothing."""
     if isinstance(policy, AsyncPolicy):
         policy.reset()
     rng = np.random.default_rng(seed)
@@ -94,7 +100,8 @@ def simulate(profile: SpeedProfile, traces: AcceptanceTraces, policy, arrival: A
         priced = profile  # priced at the decoding requests' mean context when there are any
         if n_dec:  # like the engine: no decoding requests, no policy call
             # Draw rounds even when the drafter is skipped, so policies run with one seed see the same draws.
-            rounds = rng.integers(len(traces), size=n_dec)
+            rounds = (reqs.cursor[decoding] % len(traces)) if walk else rng.integers(len(traces), size=n_dec)
+            reqs.cursor[decoding] += 1
             conf, n_acc = traces.conf[rounds], traces.n_acc[rounds]  # [R_dec, γ], [R_dec]
             context = float(reqs.context[decoding].mean())  # the decoding requests' mean context
             priced = profile.at_context(context)

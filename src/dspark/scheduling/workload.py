@@ -59,11 +59,13 @@ Arrival = Union[ClosedLoop, Poisson]
 class Requests:
     """The running requests of one simulated run, in arrival order: ``remaining`` [R] tokens to emit,
     ``prefill`` [R] prompt tokens still to prefill, ``context`` [R] prompt and output tokens so far (whole prompts,
-    copied prefixes included: a decoding request's context is what it is priced at). Lengths come from their own
-    seeded stream, so the simulator's round draws stay aligned across policies."""
+    copied prefixes included: a decoding request's context is what it is priced at), ``cursor`` [R] where each
+    one is in the recorded rounds when the simulator walks them (a random start, then one round a step). Lengths
+    and starts come from their own seeded streams, so the simulator's round draws stay aligned across policies."""
 
     def __init__(self, arrival: Arrival, rng: np.random.Generator, seed: int = 0):
         self.arrival, self._lengths = arrival, np.random.default_rng([seed, 1])
+        self._starts = np.random.default_rng([seed, 2])
         mix = np.asarray(arrival.prompt_mix or (arrival.prompt_tokens,), dtype=np.int64)
         if mix.ndim != 1 or (mix < 0).any():
             raise ValueError(f"prompt lengths must be integers >= 0, got {arrival.prompt_mix!r}")
@@ -86,6 +88,7 @@ class Requests:
             self.remaining, self.prefill, self.context = self._new(arrival.concurrency)
         else:
             self.remaining = self.prefill = self.context = np.empty(0, dtype=np.int64)
+        self.cursor = self._start(self.remaining.size)
         self._sent = self.remaining.size
         self._arrivals = (np.cumsum(rng.exponential(1.0 / arrival.rate, size=arrival.n_requests))
                           if not self.closed else np.empty(0))
@@ -107,6 +110,9 @@ class Requests:
         self._next_prompt += n
         return lengths, prefill, prompts
 
+    def _start(self, n: int) -> np.ndarray:
+        return self._starts.integers(0, 1 << 40, size=n)
+
     def admit(self, t: float, steps: int) -> float | None:
         """Before a step at time t: let arrivals up to t join (open loop); the time the step starts (later when
         idle until the next arrival), or None when the run is over."""
@@ -117,6 +123,7 @@ class Requests:
         self.remaining = np.concatenate([self.remaining, lengths])
         self.prefill = np.concatenate([self.prefill, prefill])
         self.context = np.concatenate([self.context, prompts])
+        self.cursor = np.concatenate([self.cursor, self._start(n_new)])
         self._joined += n_new
         if self.remaining.size:
             return t
@@ -135,7 +142,9 @@ class Requests:
             n_again = int(done.sum()) if not self._budget else min(int(done.sum()), self._budget - self._sent)
             again = np.flatnonzero(done)[:n_again]
             self.remaining[again], self.prefill[again], self.context[again] = self._new(n_again)
+            self.cursor[again] = self._start(n_again)
             self._sent += n_again
             keep[again] = True
         self.remaining, self.prefill, self.context = self.remaining[keep], self.prefill[keep], self.context[keep]
+        self.cursor = self.cursor[keep]
         return int(done.sum())
