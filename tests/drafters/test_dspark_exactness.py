@@ -280,13 +280,15 @@ def test_t1_output_distribution_with_partial_probes():
 # setting under which it fires on these tiny models (entry margins tuned to their predicted gains), and a spy
 # checks it did, so the tests exercise the rule and not only the policy's name.
 
-RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0.9, max_age=4),
-         "near-threshold probe": dict(min_gain=0.5, near_loss=0.9, max_age=4),
+# Rules written for K priced alone (at depth K + 1) set joint_requests=0: with K and the depth priced together at
+# R <= 2 (the default) their tiny models' prices no longer reach the states the rule is about.
+RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0.9, max_age=4, joint_requests=0),
+         "near-threshold probe": dict(min_gain=0.5, near_loss=0.9, max_age=4, joint_requests=0),
          "early stop below K": dict(early_stop=1, min_gain=0.0, max_age=4),
          "no extra slot": dict(lean_depth=1, joint_requests=0, min_gain=0.0, max_age=4),
          "live step prices": dict(live=1, min_gain=0.0, max_age=4),
          "confirmed thin pool": dict(confirm=1, steady_run=4, probe_requests=1, probe_every=2, stay_gain=None,
-                                     min_gain=0.1, max_age=4),
+                                     min_gain=0.1, max_age=4, joint_requests=0),
          # min_gain 0.5: drafting never starts off a pool, so only probes draft and the load's fall does not
          # start a drafting run before it can bring the next probe forward
          "far back-off": dict(probe_every=1, max_probe_every=2, far_probe_every=16, probe_requests=1,
