@@ -788,3 +788,19 @@ def test_joint_depth_explores_one_slot_deeper_every_explore_every_drafting_steps
     for bad in (dict(joint_requests=-1), dict(explore_every=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             AsyncPolicy(FLAT, **bad)
+
+
+def test_joint_pricing_pools_steps_of_a_larger_batch_when_the_load_falls():
+    """Steps drafted at R = 4 keep no per-depth survivals (joint pricing never sees R > 2 as the current load); when
+    the batch falls to 2 they are still in the pool, and are priced jointly as if kept."""
+    from dspark.scheduling.policies import capacity_and_depth, depth_survivals
+
+    rng = np.random.default_rng(4)
+    pol = AsyncPolicy(FLAT, min_gain=0.0, max_age=None)
+    for _ in range(4):
+        drafts = pol.prepare(4)
+        pol.select(rng.beta(3, 1.5, size=(4, pol.draft_depth(7))) if drafts else None, n_requests=4)
+    assert all(d is None for *_, d in pol._history)
+    _, pool = pol._old_confidences()
+    want = capacity_and_depth([depth_survivals(c) for c, _, _ in pool], [c.shape[0] for c, _, _ in pool], FLAT, 2)
+    assert pol.prepare(2) and (pol.last_capacity, pol._depth, pol.last_ratio) == want

@@ -315,7 +315,8 @@ class AsyncPolicy:
         """(best K, Θ_K / Θ_0, grow, spread, depth) from the pooled steps (see ``prepare``)."""
         adjust = self.tracker.adjust if self.tracker is not None else None  # scaled: their survivals change too
         if n_requests <= self.joint_requests:
-            by_depth = [depth_survivals(adjust(c)) if adjust else d for c, _, d in c_old]
+            by_depth = [depth_survivals(adjust(c)) if adjust else d if d is not None else depth_survivals(c)
+                        for c, _, d in c_old]
             best, depth, ratio = capacity_and_depth(by_depth, [c.shape[0] for c, _, _ in c_old], self.sps, n_requests)
             return best, ratio, True, None, depth
         shapes = [c.shape for c, _, _ in c_old]
@@ -341,7 +342,8 @@ class AsyncPolicy:
 
     def draft_depth(self, gamma: int) -> int:
         """Slots worth drafting this step (after ``prepare``): K caps how deep any request can verify, and with
-        ``spread_depth`` so does the longest prefix one request took in the pooled steps."""
+        ``spread_depth`` so does the longest prefix one request took in the pooled steps; at R <= ``joint_requests``
+        the depth priced with K (one more on an exploring step)."""
         if self.last_capacity is None:
             return gamma
         if self._depth:  # joint_requests: the priced depth, one slot more on exploring steps
@@ -385,7 +387,9 @@ class AsyncPolicy:
         c = need_confidences(self.name, c)
         kept = c if drafted is None else c[list(drafted)]
         kept = kept.copy()  # the caller may reuse its buffer next step
-        self._history.append((step, kept, step_survivals(kept), depth_survivals(kept) if self.joint_requests else None))
+        # by depth only for steps the size joint pricing sees (at R = 32 the γ sorts were work for nothing)
+        by_depth = depth_survivals(kept) if kept.shape[0] <= self.joint_requests else None
+        self._history.append((step, kept, step_survivals(kept), by_depth))
         if self.tracker is not None:
             c = self.tracker.adjust(c)
         if self.last_capacity is None:
