@@ -736,7 +736,7 @@ def ref_capacity_and_depth(steps, prof, base):
 def test_capacity_and_depth_matches_brute_force_over_mixed_pools():
     """Pools of steps of other R and of other drafted depths (a probe's full block, an exploring slot): the same
     (K, depth) as trying every pair, and the same predicted gain."""
-    from dspark.scheduling.policies import capacity_and_depth, depth_survivals
+    from dspark.scheduling.depth_pricing import capacity_and_depth, depth_survivals
 
     prof = SpeedProfile((1, 4, 8, 16), (1.0, 1.25, 1.6, 2.4), (1, 4, 8), (0.3, 0.5, 0.9),
                         shallow_draft_seconds=(0.1, 0.2, 0.35), draft_depth=7)
@@ -793,7 +793,7 @@ def test_joint_depth_explores_one_slot_deeper_every_explore_every_drafting_steps
 def test_joint_pricing_pools_steps_of_a_larger_batch_when_the_load_falls():
     """Steps drafted at R = 4 keep no per-depth survivals (joint pricing never sees R > 2 as the current load); when
     the batch falls to 2 they are still in the pool, and are priced jointly as if kept."""
-    from dspark.scheduling.policies import capacity_and_depth, depth_survivals
+    from dspark.scheduling.depth_pricing import capacity_and_depth, depth_survivals
 
     rng = np.random.default_rng(4)
     pol = AsyncPolicy(FLAT, min_gain=0.0, max_age=None)

@@ -8,8 +8,9 @@ import numpy as np
 
 from .acceptance_tracker import AcceptanceTracker
 from .live_profile import LiveProfile
-from .policies import (SPS, capacity_and_depth, capacity_from_survivals, could_grow, depth_survivals,
-                       draft_depth_for, rounded_context, step_survivals, sync_prefix_schedule, top_k_lengths)
+from .depth_pricing import capacity_and_depth, depth_survivals
+from .policies import (SPS, capacity_from_survivals, could_grow, draft_depth_for, rounded_context, step_survivals,
+                       sync_prefix_schedule, top_k_lengths)
 from .policy_objects import need_confidences
 
 
