@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 
-from .policies import SPS, sps_values
+from .policies import SPS, quantile_gains, sps_values
 from .profile import SpeedProfile
 
 
@@ -50,10 +50,8 @@ def capacity_and_depth(by_depth: list[np.ndarray], rows: list[int], sps: SPS,
         if r == base:
             same[:m.shape[0], :m.shape[1]] += m
             continue
-        f = r / base  # a step of other R: its top f·K survivals, as a quantile curve (see pooled_gains)
-        for i in range(m.shape[0]):
-            cum = np.concatenate(([0.0], np.cumsum(m[i, :r * (i + 1)])))
-            scaled[i] += r * np.interp(f * np.arange(n + 1), np.arange(cum.size), cum) / f
+        for i in range(m.shape[0]):  # a step of other R: its top f·K survivals (see pooled_gains)
+            scaled[i] += quantile_gains(m[i, :r * (i + 1)], r, base, n)
     scaled[:, 1:] += base * np.cumsum(same, axis=1)
     known = weight > 0
     theta = np.full((deepest, n + 1), -np.inf)

@@ -191,11 +191,17 @@ def _gains(survivals: list[np.ndarray], shapes: list[tuple[int, int]], base: int
         if rows == base:
             same[:a.size] += a
             continue
-        cum = np.concatenate(([0.0], np.cumsum(a)))
-        f = rows / base
-        total += rows * np.interp(f * np.arange(n_cand + 1), np.arange(cum.size), cum) / f
+        total += quantile_gains(a, rows, base, n_cand)
     total[1:] += base * np.cumsum(same)
     return total / pooled
+
+
+def quantile_gains(a: np.ndarray, rows: int, base: int, n_cand: int) -> np.ndarray:
+    """One step of R_old = ``rows`` rows priced for R = ``base`` requests, weighted by its rows: its descending
+    survivals ``a`` as the quantile curve of its top f·n, f = R_old / R, n = 0..n_cand -> [n_cand + 1]."""
+    cum = np.concatenate(([0.0], np.cumsum(a)))
+    f = rows / base
+    return rows * np.interp(f * np.arange(n_cand + 1), np.arange(cum.size), cum) / f
 
 
 def async_capacity(c_old, sps: SPS, *, n_requests: int | None = None, min_gain: float = 0.0) -> int:
