@@ -177,6 +177,7 @@ def main() -> None:
     ap.add_argument("--async-decisions", nargs="?", const="async", default=None, metavar="POLICY",
                     help="an async scheduler (default async): steps by kind of decision")
     ap.add_argument("--profile", default=None, metavar="POLICY", help="cProfile this policy's engine")
+    ap.add_argument("--dtype", default="float32", help="the target's dtype (bench serve's --dtype)")
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (bench serve's)")
     ap.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (bench serve's)")
     ap.add_argument("--out", default=None, metavar="FILE",
@@ -211,7 +212,7 @@ class _Tee(io.StringIO):
 def run(args) -> None:
     policies = (("fixed-7",) if args.confidence else (args.async_decisions,) if args.async_decisions
                 else (args.profile,) if args.profile else tuple(args.policies.split(",")))
-    cfg = ServeBenchConfig(drafter=args.drafter, policies=policies, concurrency=(args.concurrency,),
+    cfg = ServeBenchConfig(drafter=args.drafter, dtype=args.dtype, policies=policies, concurrency=(args.concurrency,),
                            max_new_tokens=64, temperature=args.temperature, top_p=args.top_p)
     loaded, drafter, prompts, params, engines = setup(cfg)
     loops = {n: ClosedLoop(e, prompts, args.concurrency, params, 0.5) for n, e in engines.items()}

@@ -40,10 +40,10 @@ def instrument(policy, spent: dict[str, list[float]], cold: list[list[float]]) -
         spent[f"select, {kind}"].append(time.perf_counter() - t0)
         return out
 
-    def timed_prepare(n_requests):
+    def timed_prepare(n_requests, **kwargs):
         memo = getattr(policy, "_memo", (None,))[0]
         t0 = time.perf_counter()
-        out = prepare(n_requests)
+        out = prepare(n_requests, **kwargs)
         again = getattr(policy, "_memo", (None,))[0] != memo
         spent[f"prepare, {'priced' if again else 'reused'}"].append(time.perf_counter() - t0)
         return out
@@ -66,11 +66,13 @@ def main() -> None:
     ap.add_argument("--drafter", default="dspark")
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=25.0)
+    ap.add_argument("--dtype", default="float32", help="the target's dtype (bench serve's --dtype)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature")
     ap.add_argument("--cold", action="store_true", help="time a numpy job cold and warm (see above)")
     ap.add_argument("--out", default=None, metavar="FILE", help="also write the report here")
     args = ap.parse_args()
-    cfg = ServeBenchConfig(drafter=args.drafter, policies=(args.policy,), concurrency=(args.concurrency,),
-                           max_new_tokens=64)
+    cfg = ServeBenchConfig(drafter=args.drafter, dtype=args.dtype, policies=(args.policy,),
+                           concurrency=(args.concurrency,), max_new_tokens=64, temperature=args.temperature)
     _, _, prompts, params, engines = setup(cfg)
     engine = engines[args.policy]
     spent: dict[str, list[float]] = defaultdict(list)

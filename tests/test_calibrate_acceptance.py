@@ -252,6 +252,12 @@ def test_repeated_cells_give_medians_and_paired_ratios_hand_worked():
     (row,) = paired_ratios(runs)
     assert row["vs_best_fixed"] == pytest.approx([11 / 12, 21 / 20, 1.0])
     assert row["vs_none"] == pytest.approx([1.1, 1.05, 1.0])
+    # The fixed policy fastest over all repeats: none (median 15) beats fixed-3 (median 15 too: ties keep the first
+    # seen), so every repeat divides by none, including repeat 0 where fixed-3 was the faster.
+    assert row["best_policy"] == "none" and row["vs_best_policy"] == pytest.approx([1.1, 1.05, 1.0])
+    faster = [dict(r, throughput_tok_s=r["throughput_tok_s"] + 1) for r in runs if r["policy"] == "fixed-3"]
+    (row,) = paired_ratios([r for r in runs if r["policy"] != "fixed-3"] + faster)
+    assert row["best_policy"] == "fixed-3" and row["vs_best_policy"] == pytest.approx([11 / 13, 21 / 17, 15 / 16])
     variant = [dict(r, policy="async:live=1", throughput_tok_s=t) for r, t in zip(runs[2::3], (22.0, 21.0, 12.0))]
     (row,) = paired_ratios(runs + variant, "async:live=1")
     assert row["vs_async"] == pytest.approx([2.0, 1.0, 0.8]) and row["vs_none"] == pytest.approx([2.2, 1.05, 0.8])
