@@ -31,11 +31,12 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--shapes", default=DEFAULT, help="RxK pairs, comma-separated")
     ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--dtype", default="float32", help="the target's dtype")
     ap.add_argument("--max-rows", default=None,
                     help="comma-separated limits on our C kernel's rows to compare (default: the one measured here)")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    model = load_model(args.model).model
+    model = load_model(args.model, dtype=args.dtype).model
     limits = [int(x) for x in args.max_rows.split(",")] if args.max_rows else [model.lm_head.native_rows]
     pads = model.lm_head.pad_to  # the measured padding stays; only the C kernel's limit varies
     step = grid_step_fn(model, None)

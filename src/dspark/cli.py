@@ -281,10 +281,12 @@ def run_profile(args) -> int:
               f"{prof.context_request_s * 1e6:.3f} µs per request and {prof.context_token_s * 1e6:.3f} µs per "
               f"verified token")
     if prof.draft_requests:
-        shallow = prof.shallow_draft_seconds or (None,) * len(prof.draft_requests)
-        print(f"requests\tdraft ms/step (depth {prof.draft_depth or 'full'})" + ("\tat depth 1" if shallow[0] else ""))
-        for r, s, s1 in zip(prof.draft_requests, prof.draft_seconds, shallow):
-            print(f"{r}\t{s * 1000:.1f}" + (f"\t{s1 * 1000:.1f}" if s1 else ""))
+        # shallower tables first: depth 1, then 2 .. draft_depth - 1 when measured, then the full block
+        tables = ([(1, prof.shallow_draft_seconds)] if prof.shallow_draft_seconds else []) \
+            + list(enumerate(prof.depth_draft_seconds, start=2)) + [(prof.draft_depth or "full", prof.draft_seconds)]
+        print("requests\tdraft ms/step at depth " + "\t".join(str(d) for d, _ in tables))
+        for i, r in enumerate(prof.draft_requests):
+            print(f"{r}\t" + "\t".join(f"{row[i] * 1000:.1f}" for _, row in tables))
     return 0
 
 

@@ -1,6 +1,7 @@
 """Speed profile: interpolation/extrapolation, measuring, the keyed cache (round trip, stale key -> None with a
 warning), and user-supplied tables whose errors name the bad line."""
 
+import dataclasses
 import json
 import warnings
 
@@ -156,10 +157,13 @@ def test_cache_round_trip(tmp_path):
     back = load_cached_profile(path, KEY)
     assert back == PROF
     assert back.step_s(40) == PROF.step_s(40)
-    assert json.loads(path.read_text())["version"] == 11
+    assert json.loads(path.read_text())["version"] == 12
     deep = SpeedProfile(PROF.tokens, PROF.seconds, PROF.draft_requests, PROF.draft_seconds, key=KEY,
                         shallow_draft_seconds=(0.01, 0.05), draft_depth=7)
     assert load_cached_profile(save_profile(deep, tmp_path / "deep.json"), KEY) == deep
+    every = dataclasses.replace(deep, draft_depth=4, depth_draft_seconds=((0.02, 0.06), (0.021, 0.07)))
+    back = load_cached_profile(save_profile(every, tmp_path / "every.json"), KEY)
+    assert back == every and back.draft_s(2, depth=3) == every.draft_s(2, depth=3)
     seg = SpeedProfile((1, 8), (0.02, 0.04), segment_seconds=0.003, tokens_per_segment=4, key=KEY)
     assert load_cached_profile(save_profile(seg, tmp_path / "seg.json"), KEY) == seg
     assert load_cached_profile(save_profile(GRID, tmp_path / "grid.json"), KEY) == GRID
@@ -196,6 +200,37 @@ def test_invalid_grids(grid, match):
         SpeedProfile((1,), (0.1,), **grid)
 
 
+def test_drafting_priced_from_the_table_of_each_depth():
+    # R = 1 and 3; depths 1, 2, 3, 4 = full. Depth 2 costs almost what depth 1 does (a kernel route), which the
+    # line through depths 1 and 4 would price at a third of the way to depth 4.
+    prof = SpeedProfile((1, 8), (0.01, 0.02), (1, 3), (0.008, 0.014), shallow_draft_seconds=(0.002, 0.005),
+                        draft_depth=4, depth_draft_seconds=((0.0021, 0.0052), (0.005, 0.010)))
+    linear = dataclasses.replace(prof, depth_draft_seconds=())
+    assert prof.draft_s(1, depth=2) == pytest.approx(0.0021)
+    assert linear.draft_s(1, depth=2) == pytest.approx(0.002 + 0.006 / 3)
+    assert prof.draft_s(2, depth=3) == pytest.approx((0.005 + 0.010) / 2)  # between R = 1 and 3, at depth 3
+    assert prof.draft_s(1, depth=2.5) == pytest.approx((0.0021 + 0.005) / 2)  # between whole depths
+    np.testing.assert_allclose(prof.draft_s(3, depth=np.array([1, 2, 3, 4, 9])),
+                               [0.005, 0.0052, 0.010, 0.014, 0.014])  # past the full depth: the full table
+    np.testing.assert_allclose(prof.draft_s(np.array([1, 3]), depth=np.array([4, 1])), [0.008, 0.005])
+    assert prof.draft_s(1) == pytest.approx(0.008)  # no depth: the full block
+    assert prof.sps(2, n_requests=1, depth=2) == pytest.approx(1 / (prof.step_s(2, 1) + 0.0021))
+
+
+@pytest.mark.parametrize("rows, match", [
+    (((0.002, 0.005),), "one row per depth 2 .. 3"),  # depth 3 is missing
+    (((0.002,), (0.003, 0.004)), "row of depth 2 needs 2 values"),
+    (((0.002, 0.005), (0.003, float("nan"))), "depth-3 drafting cost table"),
+])
+def test_bad_depth_tables_are_refused(rows, match):
+    with pytest.raises(ValueError, match=match):
+        SpeedProfile((1, 8), (0.01, 0.02), (1, 3), (0.008, 0.014), shallow_draft_seconds=(0.002, 0.005),
+                     draft_depth=4, depth_draft_seconds=rows)
+    with pytest.raises(ValueError, match="needs the depth-1 table"):
+        SpeedProfile((1, 8), (0.01, 0.02), (1, 3), (0.008, 0.014), draft_depth=4,
+                     depth_draft_seconds=((0.002, 0.005), (0.003, 0.004)))
+
+
 def test_measure_profile_times_the_grid_interleaved_with_the_table():
     clock = FakeClock()
     step = clock.job("table", cost=lambda b: 1e-3 * b)
@@ -216,6 +251,48 @@ def test_measure_profile_times_the_grid_interleaved_with_the_table():
     one_round = [("table", 1), ("table", 4), ("grid", 1, 1), ("grid", 1, 4), ("grid", 2, 1), ("grid", 2, 4),
                  ("draft", 7, 1), ("draft", 7, 2), ("draft", 1, 1), ("draft", 1, 2)]
     assert clock.order == one_round * 2
+
+
+def test_reference_step_takes_the_drift_out_of_close_prices():
+    # The machine changes speed (1.45 <-> 1) after each long job, which runs between jobs a (10 ms) and b (11 ms):
+    # a is timed in the slow phase 3 rounds of 5, b in the fast one, so raw medians price b under a. Read against
+    # the reference job (5 ms), timed again before a job once 0.05 s have passed, every ratio is exact.
+    class Drifting(FakeClock):
+        slow = True
+
+        def job(self, *tag, cost):
+            def run(*args):
+                self.order.append((*tag, *args))
+                self.now += cost(*args) * (1.45 if self.slow else 1.0)
+                self.slow ^= cost(*args) >= 1.0
+            return run
+
+    def measure(every):
+        clock = Drifting()
+        cost = {1: 0.005, 2: 0.010, 3: 1.9, 4: 0.011}  # per round: the reference, a, the long job, b
+        step = clock.job(cost=lambda b: cost[b])
+        return measure_profile(step, [1, 2, 3, 4], repeats=5, warmup=0, timer=clock, reference_every=every)
+
+    raw, read = measure(0.0), measure(0.05)
+    assert raw.seconds[3] < raw.seconds[1]  # b priced under a: the drift decided
+    assert read.seconds[3] / read.seconds[1] == pytest.approx(1.1)
+    assert read.seconds[1] / read.seconds[0] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="reference_every"):
+        measure(-1.0)
+
+
+def test_measure_profile_times_drafting_at_every_depth():
+    clock = FakeClock()
+    step = clock.job("table", cost=lambda b: 1e-3 * b)
+    by_depth = clock.job("draft", cost=lambda r, d: 1e-4 * (d * 10 + r))
+
+    prof = measure_profile(step, [1, 4], repeats=2, warmup=0, draft_fn=lambda r: by_depth(r, 4),
+                           shallow_draft_fn=lambda r: by_depth(r, 1), depth_draft_fn=by_depth, draft_depth=4,
+                           request_counts=[2, 1], timer=clock)
+    assert prof.draft_seconds == pytest.approx((41e-4, 42e-4))
+    assert prof.shallow_draft_seconds == pytest.approx((11e-4, 12e-4))
+    np.testing.assert_allclose(prof.depth_draft_seconds, [[21e-4, 22e-4], [31e-4, 32e-4]])  # depths 2 and 3
+    assert prof.draft_s(2, depth=3) == pytest.approx(32e-4)
 
 
 def test_cheap_jobs_get_more_samples_in_sub_rounds():

@@ -6,6 +6,7 @@ the steps the scheduler compares directly: R requests of k tokens each (k = 1: p
 """
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -39,6 +40,7 @@ LONG_CONTEXT = 1024
 CONTEXT_CELLS = ((1, 1), (1, 8), (4, 1), (4, 8))
 PREFILL_TOKENS = (16, 32, 64, 128, 256, 512)
 MIN_JOB_SECONDS = 0.1  # steps cheaper than this get up to 4 samples per round (the low-load ones that decide)
+REFERENCE_EVERY = 0.25  # seconds: every sample is read against a plain step timed at most this long before it
 log = logging.getLogger("dspark")
 
 
@@ -148,16 +150,16 @@ def _by_load(run):
 
 
 def drafter_step_fn(model: Transformer, drafter, depth: int | None = None):
-    """draft_fn(R): one propose() of ``depth`` slots (None: the full block) for R requests with warm 256-token
-    contexts (prefilled and observed once; a proposal commits nothing, so every call drafts from the same
-    state)."""
+    """draft_fn(R, depth=depth): one propose() of ``depth`` slots (None: the full block) for R requests with warm
+    256-token contexts (prefilled and observed once; a proposal commits nothing, so every call drafts from the
+    same state)."""
     from ..decoding import SamplingParams, make_generator
     from ..drafters.base import DraftRequest
 
     requests: list = []
     params = SamplingParams(temperature=1.0)
 
-    def step(r: int) -> None:
+    def step(r: int, depth: int | None = depth) -> None:
         while len(requests) < r:
             ids = (torch.arange(CONTEXT) * 31 + 7 * len(requests)) % model.config.vocab_size
             out = model.forward(ids, [Segment(model.new_cache(CONTEXT + 8), 0, CONTEXT)], logit_rows=ids[:1] * 0,
@@ -207,8 +209,9 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
     def measure() -> SpeedProfile:
         log.info("measuring this machine's speed profile for the scheduler (once, a few minutes; cached at %s)",
                  path)
-        extra = {} if drafter is None else {"draft_fn": drafter_step_fn(model, drafter),
-                                            "shallow_draft_fn": drafter_step_fn(model, drafter, depth=1),
+        draft = None if drafter is None else drafter_step_fn(model, drafter)
+        extra = {} if drafter is None else {"draft_fn": draft, "shallow_draft_fn": functools.partial(draft, depth=1),
+                                            "depth_draft_fn": lambda r, d: draft(r, depth=d),
                                             "draft_depth": drafter.gamma, "request_counts": PROFILE_REQUESTS}
         caches = _warm_caches(model)
         longest = long_context(model)
@@ -226,7 +229,8 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
                                one_segment_fn=target_step_fn(model, one_segment=True, caches=caches),
                                tokens_per_segment=TOKENS_PER_REQUEST, grid_fn=grid_step_fn(model, caches),
                                grid_requests=PROFILE_REQUESTS, grid_tokens=GRID_TOKENS,
-                               min_job_seconds=MIN_JOB_SECONDS, shuffle_seed=0, table_cell=table_cell, **extra)
+                               min_job_seconds=MIN_JOB_SECONDS, shuffle_seed=0, table_cell=table_cell,
+                               reference_every=REFERENCE_EVERY, **extra)
 
     path = profile_path(key)
     if force and path.exists():

@@ -55,6 +55,7 @@ def rescaled(profile: SpeedProfile, plain: float = 1.0, verify: float = 1.0, dra
         grid_seconds=grid,
         draft_seconds=tuple(s * draft for s in profile.draft_seconds),
         shallow_draft_seconds=tuple(s * draft for s in profile.shallow_draft_seconds),
+        depth_draft_seconds=tuple(tuple(s * draft for s in row) for row in profile.depth_draft_seconds),
         source=f"{profile.source} (live ×{plain:.3f} plain, ×{verify:.3f} verify, ×{draft:.3f} draft)",
     )
 

@@ -127,6 +127,9 @@ class SpeedProfile:
     # draft_requests[i], the full table being measured at depth ``draft_depth`` (γ); empty: depth not priced.
     shallow_draft_seconds: tuple[float, ...] = ()
     draft_depth: int = 0
+    # depth_draft_seconds[i][j]: drafting depth i + 2 for draft_requests[j] (the depths between 1 and draft_depth;
+    # empty: cost linear in depth between the two tables)
+    depth_draft_seconds: tuple[tuple[float, ...], ...] = ()
     # Measured grid: grid_seconds[i][j] = one step of grid_requests[i] requests verifying grid_tokens[j] tokens each.
     grid_requests: tuple[int, ...] = ()  # [Gr]
     grid_tokens: tuple[int, ...] = ()  # [Gk]
@@ -150,6 +153,7 @@ class SpeedProfile:
     _t: np.ndarray = field(init=False, repr=False, compare=False)
     _s: np.ndarray = field(init=False, repr=False, compare=False)
     _grid: tuple = field(init=False, repr=False, compare=False)  # (requests [Gr], tokens [Gk], seconds [Gr, Gk])
+    _by_depth: np.ndarray | None = field(init=False, repr=False, compare=False)  # see _check_depth_table
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
@@ -162,6 +166,7 @@ class SpeedProfile:
             if len(self.shallow_draft_seconds) != len(self.draft_seconds) or self.draft_depth < 2:
                 raise ValueError("shallow_draft_seconds needs one value per draft_requests entry and a "
                                  f"draft_depth >= 2 (the full table's depth), got draft_depth {self.draft_depth}")
+        self._check_depth_table()
         _check_table(self.tokens, self.seconds, "speed profile")
         if self.draft_requests or self.draft_seconds:
             _check_table(self.draft_requests, self.draft_seconds, "drafting cost table")
@@ -180,6 +185,20 @@ class SpeedProfile:
         object.__setattr__(self, "_views", {})
         object.__setattr__(self, "_t", np.asarray(self.tokens, dtype=np.float64))
         object.__setattr__(self, "_s", np.asarray(self.seconds, dtype=np.float64))
+
+    def _check_depth_table(self) -> None:
+        rows = tuple(tuple(float(x) for x in row) for row in self.depth_draft_seconds)
+        object.__setattr__(self, "depth_draft_seconds", rows)
+        if rows and (not self.shallow_draft_seconds or len(rows) != self.draft_depth - 2):
+            raise ValueError(f"depth_draft_seconds needs the depth-1 table and one row per depth 2 .. "
+                             f"{self.draft_depth - 1}, got {len(rows)} rows")
+        for depth, row in enumerate(rows, start=2):
+            if len(row) != len(self.draft_requests):
+                raise ValueError(f"depth_draft_seconds row of depth {depth} needs {len(self.draft_requests)} values")
+            _check_table(self.draft_requests, row, f"depth-{depth} drafting cost table")
+        # [draft_depth, D]: seconds at depth 1 .. draft_depth (what draft_s interpolates)
+        object.__setattr__(self, "_by_depth", np.asarray(
+            (self.shallow_draft_seconds, *rows, self.draft_seconds), dtype=np.float64) if rows else None)
 
     def _check_grid(self) -> None:
         grid = tuple(tuple(float(x) for x in row) for row in self.grid_seconds)
@@ -307,14 +326,16 @@ class SpeedProfile:
 
     def draft_s(self, n_requests, depth=None):
         """Seconds of one drafting step for R requests (0 when no drafting table was given), drafting ``depth``
-        slots (scalar or array; None: the full block). Cost is linear in depth between the depth-1 and the
-        full-depth tables (the Markov and confidence heads run once per slot; near-linear on the dev CPU: 3.2 / 3.7
-        / 4.1 / 4.2 / 5.4 ms at depth 1 / 2 / 3 / 4 / 7 for one request, scripts/propose_cost.py)."""
+        slots (scalar or array; None: the full block). From the table of each depth when the profile has them
+        (``depth_draft_seconds``), else linear in depth between the depth-1 and the full-depth tables."""
         if not self.draft_requests:
             shape = np.broadcast(np.asarray(n_requests), np.asarray(depth if depth is not None else 0)).shape
             return 0.0 if not shape else np.zeros(shape)
         xs = np.asarray(self.draft_requests, dtype=np.float64)
-        full = _interp(n_requests, xs, np.asarray(self.draft_seconds, dtype=np.float64), self.extrapolate == "linear")
+        linear = self.extrapolate == "linear"
+        if depth is not None and self._by_depth is not None:
+            return self._depth_table_s(n_requests, depth, xs, linear)
+        full = _interp(n_requests, xs, np.asarray(self.draft_seconds, dtype=np.float64), linear)
         if depth is None or not self.shallow_draft_seconds:
             return full
         one = _interp(n_requests, xs, np.asarray(self.shallow_draft_seconds, dtype=np.float64),
@@ -322,6 +343,17 @@ class SpeedProfile:
         frac = np.clip((np.asarray(depth, dtype=np.float64) - 1) / (self.draft_depth - 1), 0.0, 1.0)
         t = one + (full - one) * frac
         return float(t) if np.ndim(t) == 0 else t
+
+    def _depth_table_s(self, n_requests, depth, xs: np.ndarray, linear: bool):
+        """``draft_s`` from the table of every depth: each depth's row at R, then linear between whole depths."""
+        r, d = np.broadcast_arrays(np.asarray(n_requests, dtype=np.float64), np.asarray(depth, dtype=np.float64))
+        at_r = np.stack([np.asarray(_interp(r.ravel(), xs, row, linear)) for row in self._by_depth])  # [depths, n]
+        d = np.clip(d.ravel(), 1.0, float(self.draft_depth)) - 1.0
+        lo = np.floor(d).astype(np.int64)
+        hi = np.minimum(lo + 1, self.draft_depth - 1)
+        cols = np.arange(d.size)
+        t = (at_r[lo, cols] * (1.0 - (d - lo)) + at_r[hi, cols] * (d - lo)).reshape(r.shape)
+        return float(t) if t.ndim == 0 else t
 
     def sps(self, n_tokens, n_requests: int | None = None, depth=None):
         """Steps per second at B tokens; with ``n_requests`` the drafting cost of that many requests (drafting

@@ -22,10 +22,11 @@ from ._jsonio import FileFormatError, check_header, read_json, write_json_atomic
 from .profile import ProfileKey, SpeedProfile
 
 FORMAT = "dspark.speed_profile"
-VERSION = 11  # 2: segment_seconds / tokens_per_segment; 3: shallow_draft_seconds / draft_depth; 4: the (R, k)
+VERSION = 12  # 2: segment_seconds / tokens_per_segment; 3: shallow_draft_seconds / draft_depth; 4: the (R, k)
 # grid; 5: drafting timed in the same rounds as the target's steps; 6: cheap steps sampled more, rounds shuffled;
 # 7: grid k = 1, 2, 3, 4, 5, 8; 8: oneDNN rows 9-32 padded to a multiple of 4, not 16; 9: rows past 32 padded by
-# under 1/8, not to a multiple of 16 or 128; 10: the prefill table (older: re-measured); 11: context prices
+# under 1/8, not to a multiple of 16 or 128; 10: the prefill table (older: re-measured); 11: context prices;
+# 12: drafting timed at every depth (depth_draft_seconds)
 
 
 class ProfileFormatError(FileFormatError):
@@ -47,6 +48,7 @@ def profile_to_dict(p: SpeedProfile) -> dict:
         "tokens_per_segment": p.tokens_per_segment,
         "shallow_draft_seconds": list(p.shallow_draft_seconds),
         "draft_depth": p.draft_depth,
+        "depth_draft_seconds": [list(row) for row in p.depth_draft_seconds],
         "grid_requests": list(p.grid_requests),
         "grid_tokens": list(p.grid_tokens),
         "grid_seconds": [list(row) for row in p.grid_seconds],
@@ -76,6 +78,7 @@ def profile_from_dict(obj: dict, path: str | os.PathLike = "<dict>") -> SpeedPro
             tokens_per_segment=int(obj.get("tokens_per_segment", 0)),
             shallow_draft_seconds=tuple(obj.get("shallow_draft_seconds", ())),
             draft_depth=int(obj.get("draft_depth", 0)),
+            depth_draft_seconds=tuple(tuple(row) for row in obj.get("depth_draft_seconds", ())),
             grid_requests=tuple(obj.get("grid_requests", ())),
             grid_tokens=tuple(obj.get("grid_tokens", ())),
             grid_seconds=tuple(tuple(row) for row in obj.get("grid_seconds", ())),

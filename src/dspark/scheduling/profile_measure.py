@@ -15,10 +15,10 @@ from .profile import ProfileKey, SpeedProfile
 
 
 def _samples_per_round(fn: Callable[[int], object], n: int, warmup: int, min_seconds: float, cap: int,
-                       timer: Callable[[], float]) -> int:
+                       timer: Callable[[], float]) -> tuple[int, float]:
     """Run ``fn(n)`` ``warmup`` times (at least twice when sampling by time); how many samples of it fit in
     ``min_seconds`` (1..cap), judged by the fastest warm-up call: the first call of a job is often its slowest
-    (one 30 ms step's took 50 ms and left it a single sample per round)."""
+    (one 30 ms step's took 50 ms and left it a single sample per round). Also that fastest call (inf: none)."""
     calls = max(warmup, 2) if min_seconds > 0 else warmup
     fastest = float("inf")
     for _ in range(calls):
@@ -26,8 +26,43 @@ def _samples_per_round(fn: Callable[[int], object], n: int, warmup: int, min_sec
         fn(n)
         fastest = min(fastest, timer() - t0)
     if min_seconds <= 0:
-        return 1
-    return int(min(cap, max(1, min_seconds // max(fastest, 1e-9))))
+        return 1, fastest
+    return int(min(cap, max(1, min_seconds // max(fastest, 1e-9)))), fastest
+
+
+class _Samples:
+    """Each job's timed samples and when they were taken; with a reference job re-timed before a job once ``every``
+    seconds have passed, each sample is read against the reference's last timing before it (see
+    ``measure_profile``'s ``reference_every``)."""
+
+    def __init__(self, n_jobs: int, reference: int | None, every: float, timer: Callable[[], float]):
+        self.times: list[list[float]] = [[] for _ in range(n_jobs)]
+        self.at: list[list[float]] = [[] for _ in range(n_jobs)]
+        self.reference, self.every, self.timer = reference, every, timer
+        self._last = -float("inf")
+
+    def run(self, jobs, j: int) -> None:
+        if self.reference is not None and j != self.reference and self.timer() - self._last >= self.every:
+            self.run(jobs, self.reference)
+        fn, n = jobs[j]
+        t0 = self.timer()
+        fn(n)
+        t1 = self.timer()
+        self.times[j].append(t1 - t0)
+        self.at[j].append((t0 + t1) / 2)
+        if j == self.reference:
+            self._last = t1
+
+    def medians(self) -> list[float]:
+        if self.reference is None:
+            return [float(np.median(ts)) for ts in self.times]
+        ref_at, ref_s = np.asarray(self.at[self.reference]), np.asarray(self.times[self.reference])
+        scale = float(np.median(ref_s))
+
+        def before(at: list[float]) -> np.ndarray:  # the reference's last timing before each sample (or at it)
+            return ref_s[np.maximum(np.searchsorted(ref_at, at, side="right") - 1, 0)]
+
+        return [scale * float(np.median(np.asarray(ts) / before(at))) for ts, at in zip(self.times, self.at)]
 
 
 
@@ -40,6 +75,7 @@ def measure_profile(
     draft_fn: Callable[[int], object] | None = None,
     shallow_draft_fn: Callable[[int], object] | None = None,
     draft_depth: int = 0,
+    depth_draft_fn: Callable[[int, int], object] | None = None,
     request_counts: Iterable[int] = (),
     one_segment_fn: Callable[[int], object] | None = None,
     tokens_per_segment: int = 0,
@@ -60,6 +96,7 @@ def measure_profile(
     max_samples_per_round: int = 4,
     shuffle_seed: int | None = None,
     table_cell: Callable[[int], tuple[int, int] | None] | None = None,
+    reference_every: float = 0.0,
 ) -> SpeedProfile:
     """Time ``step_fn(B)`` for each B (median of ``repeats`` after ``warmup`` untimed calls).
 
@@ -73,7 +110,10 @@ def measure_profile(
     uses, the largest B is timed both ways too, giving ``segment_seconds``: what one more request costs.
     With ``shallow_draft_fn`` (one drafting step at depth 1) and the full depth ``draft_depth`` of ``draft_fn``,
     drafting is timed at both depths (in the same rounds as the target's steps), so the scheduler can price
-    shallow drafting.
+    shallow drafting; with ``depth_draft_fn(R, d)`` too, at every depth between (2 .. ``draft_depth`` - 1): a
+    drafting step's cost is not linear in its depth where the drafter's row count crosses a kernel route (at R = 2
+    on the dev CPU, 3.6 / 3.7 / 4.2 / 4.7 / 6.1 ms at depth 1 / 2 / 3 / 4 / 7, where the line through depths 1 and 7
+    priced depth 2 at 4.1: scripts/propose_cost.py), and the scheduler chooses between depths.
     With ``grid_fn(R, k)`` (R requests verifying k tokens each) every ``grid_requests`` × ``grid_tokens`` pair is
     timed too, interleaved with the table, giving the grid ``step_s`` prefers.
     With ``min_job_seconds`` a job cheaper than that is timed up to ``max_samples_per_round`` times per round
@@ -95,16 +135,31 @@ def measure_profile(
     P alone (R = 0) it gives ``prefill_context_s``, the price of each chunk token per token before it.
     ``table_cell(B)`` names the grid cell (R, k) that runs the same step as ``step_fn(B)``, if any; such table
     points are read from the grid instead of being timed twice.
+    With ``reference_every`` > 0 the cheapest step of the table or the grid (by its fastest warm-up call) is the
+    reference: it is timed again before any job once that many seconds have passed since its last timing, each
+    job's samples are divided by the reference's last time before them, and the median ratio is scaled by the
+    reference's median time. The dev VM's speed drifts by up to 50 % within a minute (a plain step's 5-second
+    medians ran from 17.6 to 26.8 ms, while a 2-request 3-token step's ratio to it stayed within 1.01-1.23, and
+    mostly 1.07-1.15: results/profile-drift-s41), and raw medians let that drift decide which of two close steps looks cheaper: two
+    profiles measured minutes apart priced a 2-request step verifying 2 drafts each 1.1 and 1.7 ms over one
+    verifying 1, where 60 shuffled rounds of the two give 0.9 (scripts/step_shape_cost.py), and the second priced
+    plain decoding of one request at 20.0 ms against 15.5 in the first.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if not (reference_every >= 0):
+        raise ValueError(f"reference_every must be >= 0 (0: no reference), got {reference_every!r}")
     if not (min_job_seconds >= 0) or max_samples_per_round < 1:
         raise ValueError(f"min_job_seconds must be >= 0 and max_samples_per_round >= 1, got {min_job_seconds!r}, "
                          f"{max_samples_per_round!r}")
 
-    def median_times(jobs: list[tuple[Callable[[int], object], int]]) -> list[float]:
-        reps = [_samples_per_round(fn, n, warmup, min_job_seconds, max_samples_per_round, timer) for fn, n in jobs]
-        times: list[list[float]] = [[] for _ in jobs]
+    def median_times(jobs: list[tuple[Callable[[int], object], int]], targets: int) -> list[float]:
+        """Median seconds of each job; the reference is the cheapest of the first ``targets`` (the target's steps:
+        the drafter's weights fit in cache where the target's stream from memory, so they drift differently)."""
+        warm = [_samples_per_round(fn, n, warmup, min_job_seconds, max_samples_per_round, timer) for fn, n in jobs]
+        reps = [k for k, _ in warm]
+        reference = min(range(targets), key=lambda j: warm[j][1]) if reference_every > 0 and targets else None
+        samples = _Samples(len(jobs), reference, reference_every, timer)
         rng = random.Random(shuffle_seed)
         for _ in range(repeats):
             for sub in range(max(reps)):  # sub-rounds keep a cheap job's extra samples spread over the round
@@ -112,11 +167,8 @@ def measure_profile(
                 if shuffle_seed is not None:
                     rng.shuffle(visit)
                 for j in visit:
-                    fn, n = jobs[j]
-                    t0 = timer()
-                    fn(n)
-                    times[j].append(timer() - t0)
-        return [float(np.median(ts)) for ts in times]
+                    samples.run(jobs, j)
+        return samples.medians()
 
     tokens = sorted({int(b) for b in token_counts})
     segments = max(1, tokens[-1] // tokens_per_segment) if tokens_per_segment else 1
@@ -134,7 +186,9 @@ def measure_profile(
     later_jobs = [(prefill_context_fn, p_at)] if later else []  # a prompt's later chunk, alone
     reqs: list[int] = sorted({int(r) for r in request_counts}) if draft_fn is not None else []
     shallow = shallow_draft_fn is not None and draft_fn is not None and draft_depth >= 2
-    draft_jobs = [(draft_fn, r) for r in reqs] + ([(shallow_draft_fn, r) for r in reqs] if shallow else [])
+    mid = list(range(2, draft_depth)) if shallow and depth_draft_fn is not None else []
+    draft_jobs = ([(draft_fn, r) for r in reqs] + ([(shallow_draft_fn, r) for r in reqs] if shallow else [])
+                  + [(functools.partial(depth_draft_fn, r), d) for d in mid for r in reqs])
     # Drafting is timed in the same rounds as the target's steps: the scheduler weighs one against the other, so
     # a slow phase must not land on one block of them only; and each proposal then follows a target forward, as
     # in the engine, where the target has just pushed the drafter's weights out of the caches.
@@ -143,15 +197,16 @@ def measure_profile(
     cells = {rk: i for i, rk in enumerate((r, k) for r in g_req for k in g_tok)}
     same = {b: cells.get(table_cell(b)) for b in tokens} if table_cell is not None else {}
     own = [b for b in tokens if same.get(b) is None]
-    t = median_times([(step_fn, b) for b in own] + ([(one_segment_fn, tokens[-1])] if split_both else [])
-                     + grid_jobs + prefill_jobs + context_jobs + later_jobs + draft_jobs)
+    target_jobs = [(step_fn, b) for b in own] + ([(one_segment_fn, tokens[-1])] if split_both else []) + grid_jobs
+    t = median_times(target_jobs + prefill_jobs + context_jobs + later_jobs + draft_jobs, len(target_jobs))
     own_s, t = dict(zip(own, t[:len(own)])), t[len(own):]
     one_request, t = (t[0] if split_both else 0.0), t[int(split_both):]
     grid_flat, t = t[:len(grid_jobs)], t[len(grid_jobs):]
     prefill_flat, t = t[:len(prefill_jobs)], t[len(prefill_jobs):]
     context_flat, t = t[:len(context_jobs)], t[len(context_jobs):]
     later_flat, t = t[:len(later_jobs)], t[len(later_jobs):]
-    dsec, shallow_sec = t[:len(reqs)], t[len(reqs):]
+    dsec, shallow_sec, t = t[:len(reqs)], t[len(reqs):len(reqs) * (1 + shallow)], t[len(reqs) * (1 + shallow):]
+    mid_sec = tuple(tuple(t[i * len(reqs):(i + 1) * len(reqs)]) for i in range(len(mid)))
     seconds = [own_s[b] if same.get(b) is None else grid_flat[same[b]] for b in tokens]
     grid = tuple(tuple(grid_flat[i * len(g_tok):(i + 1) * len(g_tok)]) for i in range(len(g_req)))
     seg_s = max(0.0, (seconds[-1] - one_request) / (segments - 1)) if split_both else 0.0
@@ -165,6 +220,7 @@ def measure_profile(
     return SpeedProfile(tuple(tokens), tuple(seconds), tuple(reqs), tuple(dsec), key=key, source="measured",
                         segment_seconds=seg_s, tokens_per_segment=tokens_per_segment if split_both else 0,
                         shallow_draft_seconds=tuple(shallow_sec), draft_depth=draft_depth if shallow else 0,
+                        depth_draft_seconds=mid_sec,
                         grid_requests=tuple(g_req), grid_tokens=tuple(g_tok), grid_seconds=grid,
                         prefill_requests=tuple(p_req), prefill_tokens=tuple(p_tok),
                         prefill_seconds=tuple(tuple(prefill_flat[i * len(p_tok):(i + 1) * len(p_tok)])
