@@ -19,6 +19,7 @@ from dspark.scheduling import (
     sync_prefix_schedule,
     sync_prefix_schedule_unsafe_no_early_stop,
 )
+from dspark.scheduling.policies import top_k_lengths
 
 
 def table_sps(table):
@@ -116,6 +117,22 @@ def test_ties_smaller_slot_then_smaller_request_first():
     assert async_schedule(c, 2).tolist() == [1, 1]
     assert async_schedule(c, 3).tolist() == [2, 1]
     assert async_schedule(c, 99).tolist() == [2, 2]
+
+
+def test_small_top_k_merge_equals_the_sorted_visit_order(monkeypatch):
+    # Few requests take top-K by merging their rows (policies.SMALL_MERGE); the slow reference is the full stable
+    # sort of the visit order. Confidences from {0, 0.5, 1} make ties in value across slots and requests common.
+    import dspark.scheduling.policies as policies
+
+    rng = np.random.default_rng(7)
+    cases = [(rng.choice([0.0, 0.5, 1.0], size=(r, g)), k) for r in (2, 3, 4) for g in (1, 3, 7) for _ in range(20)
+             for k in (0, 1, 2, 5, r * g, 99)]
+    cases += [(rng.uniform(size=(2, 7)), k) for k in range(15) for _ in range(10)]
+    fast = [top_k_lengths(c, k) for c, k in cases]
+    assert sum(c.shape[0] * min(k, c.size) <= policies.SMALL_MERGE for c, k in cases) > len(cases) // 2
+    monkeypatch.setattr(policies, "SMALL_MERGE", 0)
+    for (c, k), got in zip(cases, fast):
+        assert np.array_equal(got, top_k_lengths(c, k)), (c, k)
 
 
 def test_capped_algorithm_1_stops_early_or_at_the_cap():
@@ -752,6 +769,27 @@ def test_capacity_and_depth_matches_brute_force_over_mixed_pools():
         assert 1 <= k <= base * d
         depths_chosen.add(d)
     assert len(depths_chosen) >= 3
+
+
+def test_small_pools_priced_in_python_give_the_same_floats_as_numpy(monkeypatch):
+    """Pools of one or two requests (depth_pricing.SMALL) are priced in plain Python; the numpy path is the
+    reference, and both must give the same (K, depth) and the very same ratio, ties included."""
+    import dspark.scheduling.depth_pricing as dp
+
+    prof = SpeedProfile((1, 4, 8, 16), (1.0, 1.25, 1.6, 2.4), (1, 4, 8), (0.3, 0.5, 0.9),
+                        shallow_draft_seconds=(0.1, 0.2, 0.35), draft_depth=7)
+    rng = np.random.default_rng(11)
+    cases = []
+    for _ in range(200):
+        base = int(rng.choice([1, 2]))
+        draw = (lambda size: rng.choice([0.0, 0.5, 1.0], size=size)) if rng.random() < 0.3 else \
+            (lambda size: rng.beta(3, 1.5, size=size))  # ties among values, or none
+        cases.append(([draw((base, int(rng.integers(1, 8)))) for _ in range(int(rng.integers(1, 5)))], base))
+    fast = [dp.capacity_and_depth([dp.depth_survivals(c) for c in steps], [base] * len(steps), prof, base)
+            for steps, base in cases]
+    monkeypatch.setattr(dp, "SMALL", 0)
+    for (steps, base), got in zip(cases, fast):
+        assert got == dp.capacity_and_depth([dp.depth_survivals(c) for c in steps], [base] * len(steps), prof, base)
 
 
 def test_joint_depth_drafts_two_slots_for_two_requests_where_k_plus_one_refuses():

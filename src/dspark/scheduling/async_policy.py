@@ -390,7 +390,8 @@ class AsyncPolicy:
         kept = kept.copy()  # the caller may reuse its buffer next step
         # by depth only for steps the size joint pricing sees (at R = 32 the γ sorts were work for nothing)
         by_depth = depth_survivals(kept) if kept.shape[0] <= self.joint_requests else None
-        self._history.append((step, kept, step_survivals(kept), by_depth))
+        # its deepest row is the step's survivals, all R·d of them sorted (step_survivals): not sorted twice
+        self._history.append((step, kept, step_survivals(kept) if by_depth is None else by_depth[-1], by_depth))
         if self.tracker is not None:
             c = self.tracker.adjust(c)
         if self.last_capacity is None:

@@ -17,12 +17,23 @@ from .policies import SPS, quantile_gains, sps_values
 from .profile import SpeedProfile
 
 
+# Pricing at low load runs once per drafted step, right after the model's forwards have flushed numpy's code and
+# data from the caches, where each numpy call costs ~5-10 µs: the async policy's calls took 1.6 % of a step at
+# C = 2 (scripts/policy_step_cost.py). For the few values of one or two requests the same arithmetic in plain
+# Python, in the same order (so the same floats), costs a fraction of that.
+SMALL = 32  # values per step (R·d) or per depth's candidates (R·deepest) up to which plain Python is used
+
+
 def depth_survivals(c: np.ndarray) -> np.ndarray:
     """One step's validated confidences [R, d] -> [d, R·d]: row i holds the descending survivals of its first i + 1
     slots (``step_survivals`` of c[:, :i + 1]), zero-padded: what pricing a shallower draft needs of the step."""
     a = np.cumprod(c, axis=1)
     if a.shape[0] == 1:  # one request: its survivals already descend along the row
         return np.tril(np.broadcast_to(a[0], (a.size, a.size)))
+    if a.size <= SMALL:
+        rows, width = a.tolist(), a.size
+        return np.array([sorted((x for row in rows for x in row[:depth]), reverse=True)
+                         + [0.0] * (width - len(rows) * depth) for depth in range(1, a.shape[1] + 1)])
     out = np.zeros((a.shape[1], a.size))
     for depth in range(1, a.shape[1] + 1):
         out[depth - 1, :a.shape[0] * depth] = -np.sort(-a[:, :depth].ravel())
@@ -43,25 +54,58 @@ def capacity_and_depth(by_depth: list[np.ndarray], rows: list[int], sps: SPS,
     if base <= 0 or not by_depth:
         return 0, 0, 1.0
     deepest = max(m.shape[0] for m in by_depth)
-    n = base * deepest
-    scaled, same, weight = np.zeros((deepest, n + 1)), np.zeros((deepest, n)), np.zeros(deepest)
+    weight = [0] * deepest  # rows of the pooled steps that drafted at least each depth
     for m, r in zip(by_depth, rows):
-        weight[:m.shape[0]] += r
+        for i in range(m.shape[0]):
+            weight[i] += r
+    if base * deepest <= SMALL and all(r == base for r in rows):
+        k, depth, best = _best_small(by_depth, weight, base, _joint_prices(sps, base, deepest, lists=True))
+    else:
+        k, depth, best = _best(by_depth, rows, weight, base, _joint_prices(sps, base, deepest))
+    plain = base * float(_plain_sps(sps, base))
+    if plain <= 0:
+        return k, depth, (float("inf") if best > 0 else 1.0)
+    return k, depth, best / plain
+
+
+def _best(by_depth, rows, weight, base: int, prices: np.ndarray) -> tuple[int, int, float]:
+    """(K, depth, Θ) of the best pair; steps of other R priced by their quantile curves (see pooled_gains)."""
+    deepest = len(weight)
+    n = base * deepest
+    gains, same = np.zeros((deepest, n + 1)), np.zeros((deepest, n))
+    for m, r in zip(by_depth, rows):
         if r == base:
             same[:m.shape[0], :m.shape[1]] += m
             continue
-        for i in range(m.shape[0]):  # a step of other R: its top f·K survivals (see pooled_gains)
-            scaled[i] += quantile_gains(m[i, :r * (i + 1)], r, base, n)
-    scaled[:, 1:] += base * np.cumsum(same, axis=1)
-    known = weight > 0
-    theta = np.full((deepest, n + 1), -np.inf)
-    theta[known] = (base + scaled[known] / weight[known, None]) * _joint_prices(sps, base, deepest)[known]
-    theta[:, 0] = -np.inf  # K = 0 is plain decoding, priced below without the drafter
+        for i in range(m.shape[0]):  # a step of other R: its top f·K survivals
+            gains[i] += quantile_gains(m[i, :r * (i + 1)], r, base, n)
+    gains[:, 1:] += base * np.cumsum(same, axis=1)
+    theta = (base + gains / np.maximum(weight, 1)[:, None]) * prices
+    theta[:, 0] = -np.inf  # K = 0 is plain decoding, priced by the caller without the drafter
+    theta[[w == 0 for w in weight]] = -np.inf  # a depth no pooled step reached (steps of no rows) has no price
     depth, k = np.unravel_index(int(np.argmax(theta)), theta.shape)  # row-major: the shallower depth first
-    plain = base * float(_plain_sps(sps, base))
-    if plain <= 0:
-        return int(k), int(depth) + 1, (float("inf") if theta[depth, k] > 0 else 1.0)
-    return int(k), int(depth) + 1, float(theta[depth, k]) / plain
+    return int(k), int(depth) + 1, float(theta[depth, k])
+
+
+def _best_small(by_depth, weight, base: int, prices: list[list[float]]) -> tuple[int, int, float]:
+    """``_best`` for pools whose steps all have R rows, in plain Python: each depth's survivals summed over the
+    steps in pool order, then the running sum, exactly as ``_best`` sums them, so the floats and ties agree."""
+    tables = [m.tolist() for m in by_depth]
+    best = (0, 1, -np.inf)
+    for i, w in enumerate(weight):
+        if w == 0:
+            continue
+        sums = [0.0] * (base * (i + 1))
+        for t in tables:
+            if len(t) > i:
+                sums = [x + y for x, y in zip(sums, t[i])]  # t[i] is longer only by zero padding
+        acc, row = 0.0, prices[i]
+        for k, x in enumerate(sums, start=1):
+            acc += x
+            theta = (base + base * acc / w) * row[k]
+            if theta > best[2]:  # strictly: ties keep the shallower depth, then the smaller K (as argmax does)
+                best = (k, i + 1, theta)
+    return best
 
 
 def _plain_sps(sps: SPS, base: int) -> float:
@@ -76,25 +120,35 @@ def _profile_plain_sps(sps: SpeedProfile, base: int) -> float:
     return 1.0 / float(sps.step_s(base, n_requests=base))  # cached: pricing from the grid is ~0.1 ms a call
 
 
-def _joint_prices(sps: SPS, base: int, deepest: int) -> np.ndarray:
+def _joint_prices(sps: SPS, base: int, deepest: int, lists: bool = False):
     """SPS of a step of ``base`` requests verifying K = 0..base·deepest drafts with d = 1..deepest slots drafted
-    -> [deepest, base·deepest + 1]; K > base·d cannot happen at depth d and is priced -inf."""
-    if isinstance(sps, SpeedProfile):
-        return _profile_joint_prices(sps, base, deepest)
-    return _joint_price_table(sps, base, deepest)
+    -> [deepest, base·deepest + 1] (as nested lists with ``lists``); K > base·d cannot happen at depth d and is
+    priced -inf."""
+    if not isinstance(sps, SpeedProfile):
+        table = _joint_price_table(sps, base, deepest)
+        return table.tolist() if lists else table
+    # one table per (profile, R) at a depth no drafter here exceeds, cut to size: a new mean context (a new
+    # profile view every few dozen steps) then costs one pricing, not one per depth the pool happens to reach
+    table, rows = _profile_joint_prices(sps, base, max(deepest, TABLE_DEPTH))
+    n = base * deepest + 1
+    return [row[:n] for row in rows[:deepest]] if lists else table[:deepest, :n]
+
+
+TABLE_DEPTH = 8  # depth of the cached price tables (γ = 7 by default)
 
 
 @functools.lru_cache(maxsize=512)
-def _profile_joint_prices(sps: SpeedProfile, base: int, deepest: int) -> np.ndarray:
+def _profile_joint_prices(sps: SpeedProfile, base: int, deepest: int) -> tuple[np.ndarray, list[list[float]]]:
     prices = _joint_price_table(sps, base, deepest)
     prices.flags.writeable = False  # shared between calls
-    return prices
+    return prices, prices.tolist()
 
 
 def _joint_price_table(sps: SPS, base: int, deepest: int) -> np.ndarray:
+    """The table of ``_joint_prices``, priced in one call: every (depth, K) pair at once."""
     n = base * deepest
-    prices = np.full((deepest, n + 1), -np.inf)
-    for depth in range(1, deepest + 1):
-        k = np.arange(base * depth + 1)
-        prices[depth - 1, :k.size] = sps_values(sps, base + k, base, np.full(k.size, depth))
+    depth = np.repeat(np.arange(1, deepest + 1), n + 1)  # [deepest·(n + 1)], depth-major
+    k = np.tile(np.arange(n + 1), deepest)
+    prices = sps_values(sps, base + k, base, depth).reshape(deepest, n + 1)
+    prices[(k > base * depth).reshape(deepest, n + 1)] = -np.inf
     return prices

@@ -326,8 +326,29 @@ def top_k_lengths(c_now: np.ndarray, capacity: int) -> np.ndarray:
         return np.zeros(n_req, dtype=np.int64)
     if n_req == 1:  # one request's best K slots are its first K (survival never rises along a row)
         return np.array([min(int(capacity), c_now.shape[1])], dtype=np.int64)
-    order = _visit_order(np.cumprod(c_now, axis=1))
+    a = np.cumprod(c_now, axis=1)
+    if n_req * min(int(capacity), a.size) <= SMALL_MERGE:
+        return np.array(_merged_lengths(a.tolist(), int(capacity)), dtype=np.int64)
+    order = _visit_order(a)
     return _lengths(order, min(int(capacity), order.size), n_req)
+
+
+SMALL_MERGE = 32  # R·K at most this: top-K by merging the rows in Python (a few µs) rather than a full sort
+
+
+def _merged_lengths(rows: list[list[float]], capacity: int) -> list[int]:
+    """Top-K in visit order over rows whose survivals never rise along a row: K times, take the best next slot of
+    any row, ties to the smaller slot index j, then the smaller request r, which is the visit order's tie-break
+    (``_visit_order``); a row's slots come out in order, so the taken set is a prefix of each row."""
+    lengths, width = [0] * len(rows), len(rows[0])
+    for _ in range(min(capacity, width * len(rows))):
+        best, best_v, best_j = -1, -1.0, width
+        for r, row in enumerate(rows):
+            j = lengths[r]
+            if j < width and (row[j] > best_v or (row[j] == best_v and j < best_j)):
+                best, best_v, best_j = r, row[j], j
+        lengths[best] += 1
+    return lengths
 
 
 def fixed_k(n_requests: int, gamma: int, k: int) -> np.ndarray:
