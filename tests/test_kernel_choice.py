@@ -199,3 +199,17 @@ def test_profile_force_measures_the_routes_once(monkeypatch, tmp_path):
     with pytest.raises(Stop):
         cli.main(["profile", "--force"])
     assert calls == [1]
+
+
+def test_kernel_key_ignores_comments_and_layout_but_not_code():
+    # Routes and speed profiles are keyed by the kernels' code: a comment edit must not send every machine back to
+    # measuring them, while any change to the code must.
+    from dspark.models import native, native_attention
+
+    src = b"/* block\n comment */\nfloat f(float x) {  // why\n    return x * 2.0f;\n}\n"
+    same = b"float f(float x) {\n  return x * 2.0f;   /* reworded */\n}\n// trailing note\n"
+    other = b"float f(float x) {\n    return x * 3.0f;\n}\n"
+    assert native.code_hash(src) == native.code_hash(same)
+    assert native.code_hash(src) != native.code_hash(other)
+    assert native.source_hash() == native.code_hash(native.SOURCE.read_bytes())
+    assert native_attention.source_hash() == native.code_hash(native_attention.SOURCE.read_bytes())

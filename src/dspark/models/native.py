@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -52,7 +53,18 @@ def _cpu_signature() -> str:
 @functools.cache
 def source_hash() -> str:
     """Which version of the projection kernel this is: its step prices and crossover are measured per version."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+    return code_hash(SOURCE.read_bytes())
+
+
+_C_COMMENT = re.compile(rb"/\*.*?\*/|//[^\n]*", re.DOTALL)
+
+
+def code_hash(source: bytes) -> str:
+    """A C source's hash with its comments and layout left out: what keys the measurements made with a kernel
+    (routes, speed profiles), so that editing a comment does not send every machine back to measuring them
+    (a comment edit in session 39 did). The kernels hold no string literals, where this could strip code. The
+    library itself is keyed by the whole source (``_build``)."""
+    return hashlib.sha256(b" ".join(_C_COMMENT.sub(b" ", source).split())).hexdigest()
 
 
 def _build(cache_dir: Path, source_path: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> Path | None:

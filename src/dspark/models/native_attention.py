@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 from pathlib import Path
 from typing import Sequence
@@ -41,8 +40,9 @@ CFLAGS = ("-ffp-contract=off",)
 
 
 def source_hash() -> str:
-    """Which version of the kernel this is: a speed profile measured with another one is stale."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+    """Which version of the kernel this is: a speed profile measured with another one is stale (comments and
+    layout aside: ``native.code_hash``)."""
+    return native.code_hash(SOURCE.read_bytes())
 
 
 def segment_table(caches: Sequence, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
