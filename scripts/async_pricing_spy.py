@@ -27,18 +27,25 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--policy", default="async", help="an async policy spec, options allowed")
+    ap.add_argument("--dtype", default="float32", help="the target's dtype (bench serve's --dtype)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature")
     args = ap.parse_args()
     priced = []  # (requests, pooled steps, pooled rows, best K, predicted gain)
-    real = async_policy.capacity_from_survivals
+    alone, joint = async_policy.capacity_from_survivals, async_policy.capacity_and_depth
 
-    def spy(survivals, shapes, sps, n_requests):
-        best, ratio = real(survivals, shapes, sps, n_requests)
+    def spy(survivals, shapes, sps, n_requests):  # K alone (R > joint_requests)
+        best, ratio = alone(survivals, shapes, sps, n_requests)
         priced.append((n_requests, len(shapes), sum(rows for rows, _ in shapes), best, ratio))
         return best, ratio
 
-    async_policy.capacity_from_survivals = spy
-    cfg = ServeBenchConfig(drafter="dspark", policies=(args.policy,), concurrency=(args.concurrency,),
-                           max_new_tokens=64)
+    def spy_joint(by_depth, rows, sps, n_requests):  # K and the depth together (R <= joint_requests)
+        best, depth, ratio = joint(by_depth, rows, sps, n_requests)
+        priced.append((n_requests, len(rows), sum(rows), best, ratio))
+        return best, depth, ratio
+
+    async_policy.capacity_from_survivals, async_policy.capacity_and_depth = spy, spy_joint
+    cfg = ServeBenchConfig(drafter="dspark", dtype=args.dtype, policies=(args.policy,),
+                           concurrency=(args.concurrency,), max_new_tokens=64, temperature=args.temperature)
     _, _, prompts, params, engines = setup(cfg)
     engine = engines[args.policy]
     loop, kinds = ClosedLoop(engine, prompts, args.concurrency, params, 0.5), collections.Counter()

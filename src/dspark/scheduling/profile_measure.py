@@ -112,8 +112,8 @@ def measure_profile(
     drafting is timed at both depths (in the same rounds as the target's steps), so the scheduler can price
     shallow drafting; with ``depth_draft_fn(R, d)`` too, at every depth between (2 .. ``draft_depth`` - 1): a
     drafting step's cost is not linear in its depth where the drafter's row count crosses a kernel route (at R = 2
-    on the dev CPU, 3.6 / 3.7 / 4.2 / 4.7 / 6.1 ms at depth 1 / 2 / 3 / 4 / 7, where the line through depths 1 and 7
-    priced depth 2 at 4.1: scripts/propose_cost.py), and the scheduler chooses between depths.
+    on the dev CPU, 3.9 / 3.9 / 4.5 / 5.1 / 7.1 ms at depth 1 / 2 / 3 / 4 / 7, where the line through depths 1 and 7
+    priced depth 2 at 4.4: results/profile-drift-s41/profile-noref-1.json), and the scheduler chooses between depths.
     With ``grid_fn(R, k)`` (R requests verifying k tokens each) every ``grid_requests`` × ``grid_tokens`` pair is
     timed too, interleaved with the table, giving the grid ``step_s`` prefers.
     With ``min_job_seconds`` a job cheaper than that is timed up to ``max_samples_per_round`` times per round
@@ -139,11 +139,11 @@ def measure_profile(
     reference: it is timed again before any job once that many seconds have passed since its last timing, each
     job's samples are divided by the reference's last time before them, and the median ratio is scaled by the
     reference's median time. The dev VM's speed drifts by up to 50 % within a minute (a plain step's 5-second
-    medians ran from 17.6 to 26.8 ms, while a 2-request 3-token step's ratio to it stayed within 1.01-1.23, and
-    mostly 1.07-1.15: results/profile-drift-s41), and raw medians let that drift decide which of two close steps looks cheaper: two
-    profiles measured minutes apart priced a 2-request step verifying 2 drafts each 1.1 and 1.7 ms over one
-    verifying 1, where 60 shuffled rounds of the two give 0.9 (scripts/step_shape_cost.py), and the second priced
-    plain decoding of one request at 20.0 ms against 15.5 in the first.
+    medians ran from 17.6 to 26.8 ms, while a 2-request 3-token step's ratio to it stayed within 1.01-1.23:
+    results/profile-drift-s41/drift.txt), and raw medians let the drift decide which of two close steps looks
+    cheaper: two profiles measured minutes apart priced a 2-request step verifying 2 drafts each 1.7 and 1.0 ms
+    over one verifying 1, and plain decoding of one request at 15.5 and 20.0 ms
+    (results/profile-drift-s41/profile-noref-*.json).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
