@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from dspark.engine.profiling import _warm_caches, grid_step_fn
+from dspark.engine.profiling import grid_step_fn
 from dspark.models import load_model
 
 SHAPES = ((1, 1), (2, 1), (2, 2), (2, 3), (32, 8))  # the last: a large step between the small ones, as in a profile
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, metavar="FILE", help="also write the report here")
     args = ap.parse_args()
     model = load_model("smollm2-135m-instruct", dtype=args.dtype).model
-    step = grid_step_fn(model, _warm_caches(model))
+    step = grid_step_fn(model)
     for shape in SHAPES:
         step(*shape)
         step(*shape)

@@ -338,9 +338,7 @@ def paired_ratios(runs: list[dict], policy: str = "async") -> list[dict]:
         row = {"concurrency": c, "vs_best_fixed": best, "vs_none": none, "best_policy": top,
                "vs_best_policy": [by[(policy, c, rep)] / by[(top, c, rep)] for rep in reps if (top, c, rep) in by]}
         if policy != "async":  # a variant: also against the default scheduler it modifies
-            row["vs_async"] = [by[(policy, c, rep)] / by[("async", c, rep)]
-                               for rep in sorted({k[2] for k in by if k[0] == policy and k[1] == c})
-                               if ("async", c, rep) in by]
+            row["vs_async"] = [by[(policy, c, rep)] / by[("async", c, rep)] for rep in reps if ("async", c, rep) in by]
         rows.append(row)
     return rows
 

@@ -122,16 +122,15 @@ def _profile_plain_sps(sps: SpeedProfile, base: int) -> float:
 
 def _joint_prices(sps: SPS, base: int, deepest: int, lists: bool = False):
     """SPS of a step of ``base`` requests verifying K = 0..base·deepest drafts with d = 1..deepest slots drafted
-    -> [deepest, base·deepest + 1] (as nested lists with ``lists``); K > base·d cannot happen at depth d and is
-    priced -inf."""
+    -> [deepest, base·deepest + 1]; K > base·d cannot happen at depth d and is priced -inf. With ``lists``: nested
+    lists whose rows may run past base·deepest + 1 (uncut: the caller reads only K <= base·d)."""
     if not isinstance(sps, SpeedProfile):
         table = _joint_price_table(sps, base, deepest)
         return table.tolist() if lists else table
     # one table per (profile, R) at a depth no drafter here exceeds, cut to size: a new mean context (a new
     # profile view every few dozen steps) then costs one pricing, not one per depth the pool happens to reach
     table, rows = _profile_joint_prices(sps, base, max(deepest, TABLE_DEPTH))
-    n = base * deepest + 1
-    return [row[:n] for row in rows[:deepest]] if lists else table[:deepest, :n]
+    return rows if lists else table[:deepest, :base * deepest + 1]
 
 
 TABLE_DEPTH = 8  # depth of the cached price tables (γ = 7 by default)
