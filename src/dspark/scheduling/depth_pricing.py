@@ -18,9 +18,10 @@ from .profile import SpeedProfile
 
 
 # Pricing at low load runs once per drafted step, right after the model's forwards have flushed numpy's code and
-# data from the caches, where each numpy call costs ~5-10 µs: the async policy's calls took 1.6 % of a step at
-# C = 2 (scripts/policy_step_cost.py). For the few values of one or two requests the same arithmetic in plain
-# Python, in the same order (so the same floats), costs a fraction of that.
+# data from the caches, where its calls cost several times what they cost in a loop of their own
+# (scripts/policy_step_cost.py --cold): the async policy's calls took 1.57 % of the time at C = 2, 0.88 % with the
+# plain-Python paths below (results/policy-cost-s41). For the few values of one or two requests the same arithmetic
+# in plain Python, in the same order (so the same floats), costs a fraction of that.
 SMALL = 32  # values per step (R·d) or per depth's candidates (R·deepest) up to which plain Python is used
 
 
