@@ -133,6 +133,44 @@ def test_batched_verification_equals_per_request_reference():
     assert int(got.accepted.sum()) > 0 and bool(got.stopped[4])
 
 
+def test_a_probe_verifies_its_drafted_rows_apart_with_only_their_draft_distributions():
+    """A probe drafts a few requests of the batch: sampled requests that verify drafts and those that verify none
+    are verified apart, the drafted ones from draft distributions of their rows only (``draft_rows``), the others
+    from one gather of their rows. Each request's tokens and generator are those of it verified alone."""
+    from dspark.decoding.batch import verify_requests
+
+    gamma, vocab, g = 5, 11, torch.Generator().manual_seed(3)
+    lengths = torch.tensor([0, 3, 0, 0, 2, 0])
+    params = [SamplingParams(temperature=0.8)] * 6
+    table = torch.randn(int((lengths + 1).sum()), vocab, generator=g) * 3
+    starts = [int((lengths[:r] + 1).sum()) for r in range(6)]
+    views = [table[s: s + int(n) + 1] for s, n in zip(starts, lengths)]
+    drafts = torch.randint(0, vocab, (6, gamma), generator=g)
+    drafts[1, 0], drafts[4, 0] = views[1][0].argmax(), views[4][0].argmax()  # likely accepted: both paths tested
+    q = torch.softmax(torch.randn(6, gamma, vocab, generator=g), -1)
+    stop = torch.zeros(6, gamma, dtype=torch.bool)
+
+    def run(probs, rows, seed=20):
+        gens = [torch.Generator().manual_seed(seed + r) for r in range(6)]
+        return verify_requests(views, drafts, lengths, probs, params, gens, stop, table=(table, starts),
+                               draft_rows=rows), gens
+
+    (whole, _), (probe, gens) = run(q, None), run(q[[1, 4]], [1, 4])
+    assert all(torch.equal(getattr(whole, f), getattr(probe, f)) for f in ("accepted", "next_token", "stopped"))
+    for r in range(6):
+        n = int(lengths[r])
+        full = torch.zeros(1, gamma + 1, vocab)
+        full[0, : n + 1] = to_probs(views[r], params[r])
+        ref_gen = torch.Generator().manual_seed(20 + r)
+        u = draw_uniforms([ref_gen], lengths[r:r + 1], gamma)
+        want = verify(drafts[r:r + 1], q[r:r + 1], full, lengths[r:r + 1], u, stop[r:r + 1])
+        assert (int(probe.accepted[r]), int(probe.next_token[r])) == (int(want.accepted[0]), int(want.next_token[0]))
+        assert torch.equal(gens[r].get_state(), ref_gen.get_state())
+    assert int(probe.accepted.sum()) > 0
+    with pytest.raises(ValueError, match=r"requests \[4\] verify drafts"):
+        run(q[[1]], [1])
+
+
 def full_sort_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """The reference: sort the whole row, drop every token with top_p of mass before it."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -232,8 +270,9 @@ def test_shared_to_probs_calls_give_each_request_its_own_bits(two_threads):
 def test_rows_of_one_logits_tensor_skip_the_copies_and_keep_their_bits(two_threads, params):
     """The engine's case: every request verifies the same number of drafts and its rows follow the one before it
     in the logits tensor it passes as `table`. Verification then processes them in place (batch._table_run), with
-    no cat and no padded copy: the distributions, and so the tokens, are the copying path's bit for bit. Rows that
-    do not form such a run (ragged, out of order, no table) take the copying path."""
+    no cat and no padded copy: the distributions, and so the tokens, are the copying path's bit for bit. Rows of
+    the same width that do not form such a run (a gap, out of order) are gathered in one call; ragged rows, or no
+    table, take the copying path."""
     from unittest import mock
 
     from dspark.decoding import batch
@@ -259,8 +298,9 @@ def test_rows_of_one_logits_tensor_skip_the_copies_and_keep_their_bits(two_threa
             slow = verified()
         for field in ("accepted", "next_token", "stopped"):
             assert torch.equal(getattr(fast, field), getattr(slow, field)), field
+        for group in ([0, 1, 3, 4, 5], everyone[::-1]):  # a gap (a probe's drafted rows between), out of order
+            gathered = _table_run((table, starts), blocks, group, width)  # one gather, no cat
+            assert torch.equal(gathered, torch.cat([blocks[r] for r in group]))
         if width:
-            assert _table_run((table, starts), blocks, [0, 1, 3, 4, 5], width) is None  # a gap
             assert _table_run((table, starts), [b[:-1] for b in blocks], everyone, width) is None  # fewer rows
-        assert _table_run((table, starts), blocks, everyone[::-1], width) is None  # out of order
         assert _table_run(None, blocks, everyone, width) is None  # no table

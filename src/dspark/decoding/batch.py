@@ -12,19 +12,24 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
                     generators: list[torch.Generator], stop_mask: torch.Tensor,
                     table: tuple[torch.Tensor, list[int]] | None = None,
                     histories: list | None = None, stop_ids: list | None = None,
-                    prompts: list | None = None) -> VerifyResult:
+                    prompts: list | None = None, draft_rows: list[int] | None = None) -> VerifyResult:
     """logits[r]: [ℓ_r+1, V] target rows of request r; drafts: [R, γ]; num_draft: [R]; draft_probs: [R, γ, V]
     or None; stop_mask: [R, γ] bool (draft k of request r is one of r's stop tokens); table: (all rows [M, V],
     the first row of each request) when every logits[r] is a run of rows of one tensor, as in the engine's
     forward: greedy requests then take one batched argmax. histories[r]: the tokens request r generated so far (its
     anchor last), which its penalties count (decoding/sampling.target_logits); stop_ids[r]: its stop token ids,
-    masked before its min_tokens; prompts[r]: its prompt, which a repetition penalty also counts.
+    masked before its min_tokens; prompts[r]: its prompt, which a repetition penalty also counts; draft_rows: the
+    requests draft_probs' rows belong to when only some were drafted (a probe; None: every request, in order) —
+    the others must verify nothing.
 
     Greedy requests take the argmax fast path; the rest are processed with their own parameters (the same
     ones their drafts were processed with), batched over requests that process alike, and verified together.
     Buffers are only as wide as the longest verified block of the group, not γ + 1: at 32 requests with nothing
     drafted, a [R, γ + 1, V] buffer was zeroed and scanned for every step (~9 % of a step on the dev CPU with a
-    49,152-token vocabulary).
+    49,152-token vocabulary). For the same reason sampled requests that verify drafts and those that verify none
+    are verified apart: a probe drafts two requests of sixteen, and the other fourteen need one row each, not a
+    padded block as wide as the two. A request's tokens do not depend on the split: its rows, its uniforms and its
+    draft distributions are its own.
     """
     R = drafts.shape[0]
     accepted = torch.zeros(R, dtype=torch.long)
@@ -40,7 +45,11 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
 
     greedy = [r for r in range(R) if params[r].greedy]
     sampled = [r for r in range(R) if not params[r].greedy]
-    for group, is_greedy in ((greedy, True), (sampled, False)):
+    drafting = [r for r in sampled if num_draft[r] > 0]
+    undrafted = [r for r in sampled if num_draft[r] == 0]
+    groups = ((greedy, True), (sampled, False)) if not drafting or not undrafted else (
+        (greedy, True), (drafting, False), (undrafted, False))
+    for group, is_greedy in groups:
         if not group:
             continue
         # every request of the batch in order (the usual case): a slice, so draft_probs [R, γ, V] is not copied
@@ -56,10 +65,23 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
             run = _table_run(table, logits, group, width) if plain else None
             rows = _sampled_rows([adjusted(r) for r in group], [params[r] for r in group], width, run)
             uniforms = draw_uniforms([generators[r] for r in group], num_draft[idx], width)
-            q = None if draft_probs is None else draft_probs[idx, :width]
+            q = None if draft_probs is None or width == 0 else _draft_block(draft_probs, draft_rows, group, idx, width)
             res = verify(draft, q, rows, num_draft[idx], uniforms, stops)
         accepted[idx], next_token[idx], stopped[idx] = res.accepted, res.next_token, res.stopped
     return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
+
+
+def _draft_block(draft_probs: torch.Tensor, draft_rows: list[int] | None, group: list[int], idx, width: int
+                 ) -> torch.Tensor:
+    """[G, width, V] the group's draft distributions; draft_probs holds rows of the requests in draft_rows only
+    (None: all, in order)."""
+    if draft_rows is None:
+        return draft_probs[idx, :width]
+    position = {r: i for i, r in enumerate(draft_rows)}
+    missing = [r for r in group if r not in position]
+    if missing:
+        raise ValueError(f"requests {missing} verify drafts but have no draft distributions (draft_rows)")
+    return draft_probs[[position[r] for r in group], :width]
 
 
 CHUNK_ELEMENTS = 4 * 49_152  # logits per shared to_probs call: a cache's worth (4 rows of SmolLM2's vocabulary)
@@ -95,18 +117,19 @@ def _sampled_rows(blocks: list[torch.Tensor], params: list[SamplingParams], widt
 
 def _table_run(table: tuple[torch.Tensor, list[int]] | None, logits, group: list[int], width: int
                ) -> torch.Tensor | None:
-    """The group's rows as one slice of the caller's table when each request has width + 1 of them and each starts
-    where the one before ends (the engine's logits: its requests' rows in order, none verifying fewer than the
-    widest); None otherwise. With the cat and the copy this saves, 16 one-row requests took 2.28 ms to verify,
-    without them 1.45 (scripts/verify_cost.py)."""
-    if table is None:
+    """The group's rows as one tensor of the caller's table when each request has width + 1 of them: a slice when
+    each starts where the one before ends (the engine's logits: its requests' rows in order, none verifying fewer
+    than the widest), else one gather (the undrafted requests of a probe, between the drafted ones); None
+    otherwise. With the cat and the copy this saves, 16 one-row requests took 2.28 ms to verify, without them 1.45
+    (scripts/verify_cost.py)."""
+    if table is None or any(logits[r].shape[0] != width + 1 for r in group):
         return None
     rows, starts = table
     first = starts[group[0]]
-    for i, r in enumerate(group):
-        if logits[r].shape[0] != width + 1 or starts[r] != first + i * (width + 1):
-            return None
-    return rows[first: first + len(group) * (width + 1)]
+    if all(starts[r] == first + i * (width + 1) for i, r in enumerate(group)):
+        return rows[first: first + len(group) * (width + 1)]
+    index = torch.tensor([starts[r] for r in group]).unsqueeze(1) + torch.arange(width + 1)  # [G, width + 1]
+    return rows.index_select(0, index.view(-1))
 
 
 def _chunks(members: list[int], sizes: list[int], rows: int) -> list[list[int]]:

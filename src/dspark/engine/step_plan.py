@@ -19,7 +19,8 @@ class StepPlan:
     decoding: list[Request] = field(default_factory=list)
     drafts: torch.Tensor | None = None  # [R, g], g ≤ γ slots drafted
     lengths: torch.Tensor | None = None  # [R] ℓ_r chosen by the policy
-    draft_probs: torch.Tensor | None = None  # [R, g, V] or None (point masses)
+    draft_probs: torch.Tensor | None = None  # [R_d, g, V] or None (point masses)
+    draft_rows: list[int] | None = None  # rows of `decoding` draft_probs belongs to (a probe's few; None: all R)
     confidences: np.ndarray | None = None  # [R, g]
     confidence_logits: np.ndarray | None = None  # [R, g] raw head logits, before calibration (for `calibrate`)
     propose_seconds: float = 0.0  # feeding deferred target states included
@@ -81,7 +82,7 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
                          for r in decoding])  # tokens a round may add beyond the anchor
     lengths = torch.minimum(torch.minimum(chosen, num), room.clamp(min=0))
     return StepPlan(tokens=torch.empty(0), segments=[], logit_rows=torch.empty(0), decoding=decoding,
-                    drafts=tokens[:, :gamma], lengths=lengths, draft_probs=probs, confidences=conf,
+                    drafts=tokens[:, :gamma], lengths=lengths, draft_probs=probs, draft_rows=rows, confidences=conf,
                     confidence_logits=None if raw is None else raw[:, :gamma],
                     propose_seconds=now - t0,  # feeding included: it is the drafter's model work
                     draft_call_seconds=now - t_call, drafted_requests=len(subset), draft_depth=depth)
@@ -109,7 +110,9 @@ def _rows_to_draft(decoding: list[Request], policy, backlog) -> list[int] | None
 
 def _widen(proposal, rows: list[int] | None, n: int):
     """The proposal of a subset of requests laid out over all n: rows not drafted get 0 drafts, confidence 0
-    (never admitted) and NaN raw confidence logits (never used for calibration: they verify nothing)."""
+    (never admitted) and NaN raw confidence logits (never used for calibration: they verify nothing). The draft
+    distributions stay those of the subset (``StepPlan.draft_rows`` says whose): laid out over all n they were a
+    [n, γ, V] buffer of zeros, 7 ms of a probe's 62 at sixteen requests (bf16, T = 1)."""
     conf = None if proposal.confidences is None else proposal.confidences.double().numpy()
     raw = getattr(proposal, "confidence_logits", None)
     raw = None if raw is None else raw.double().numpy()
@@ -120,10 +123,7 @@ def _widen(proposal, rows: list[int] | None, n: int):
     tokens[idx] = proposal.tokens
     num = proposal.num_tokens.new_zeros(n)
     num[idx] = proposal.num_tokens
-    probs = None
-    if proposal.probs is not None:
-        probs = proposal.probs.new_zeros(n, *proposal.probs.shape[1:])
-        probs[idx] = proposal.probs
+    probs = proposal.probs
     if conf is not None:
         conf_full = np.zeros((n, conf.shape[1]))
         conf_full[rows] = conf
