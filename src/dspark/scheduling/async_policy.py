@@ -20,127 +20,33 @@ class AsyncPolicy:
 
     A production engine computes K for step t while step t-1 runs, from the last confidences it has, which are
     step t-2's — hence lag 2. Call ``prepare(R)`` before drafting: it computes K and returns False when K = 0,
-    i.e. the drafter can be skipped this step (see ``async_capacity``).
+    i.e. the drafter can be skipped this step. K is known before drafting, so only the slots K can use are
+    drafted (``draft_depth``). Skipped steps produce no confidences, so after ``probe_every`` skipped steps in a
+    row a probe drafts ``probe_requests`` requests anyway and verifies them by Algorithm 1 on their own
+    confidences; each probe that still prices K = 0 doubles the interval up to ``max_probe_every``. For the
+    first steps, with no history old enough, it falls back to Algorithm 1, which is lossless on its own.
 
-    Skipped steps produce no confidences, so without care one unlucky K = 0 would hold forever (the history
-    would never change again) even after the load falls or the text turns easy. Hence probes: after
-    ``probe_every`` skipped steps in a row the drafter runs anyway, and that step verifies by Algorithm 1 on its
-    own confidences; two steps later its confidences set K. Each probe that still yields K = 0 doubles the
-    interval (up to ``max_probe_every``), so a load where speculation never pays costs one drafting pass per
-    ~65 steps (≈ 0.3 % with drafting at 20 % of a step); any K > 0 resets it. Whether a step probes depends
-    only on counts of skipped steps and on old confidences, never on the current tokens, so it stays lossless.
-    For the first steps there is no old enough history; rather than use the current confidences for K (that would
-    make K depend on the current tokens and break losslessness), we fall back to Algorithm 1 with early stop,
-    which is lossless on its own.
+    Every rule below reads only old confidences, counts of past decisions, request counts or past step times,
+    never the current tokens, so all stay lossless. Why each exists and what it measured on the dev CPU:
+    docs/async-scheduler.md.
 
-    K > 0 only when its predicted throughput beats plain decoding by more than ``min_gain`` (3 %): the profile
-    prices engine steps only to within ~3 % on the dev CPU (``scripts/engine_step_times.py``), and a drafting
-    decision inside that error is a coin flip that costs the drafter's time either way.
-
-    The two decisions are not symmetric in time, and the policy makes up for it. While it drafts, every step
-    brings new confidences and K is re-priced each step; a K = 0 decision brings none and holds until the next
-    probe. With a one-sided rule a drafting run ended at the first noisy pool under the margin and then paid a
-    probe interval, doubling with each probe, plus the lag before it could resume: at C = 2 on the dev CPU 66 % of
-    the distinct pools priced K > 0 (median predicted gain 9 %) yet 14 % of the steps drafted
-    (scripts/async_pricing_spy.py), and MTP-1 beat the policy by 7 % (results/serving-s13-kernels-low). Hence: (1) hysteresis — once drafting it keeps drafting while
-    the best K beats plain decoding by more than ``stay_gain`` (default 0: at all); (2) a probe that drafts every
-    running request (R <= ``probe_requests``) is an ordinary drafting step verified by Algorithm 1, so at such
-    loads the first probe after a drafting run comes after ``reprobe_every`` skipped steps (default 2, or
-    ``max_probe_every`` if less; at larger R ``probe_every``), and while the best K is priced within
-    ``near_loss`` (5 %) of plain decoding the probes keep coming that often instead of backing off. All depend only on past decisions and old confidences, so they stay
-    lossless.
-
-    K is known before drafting, so only ``draft_depth(γ)`` = min(γ, K + 1) slots are drafted (no request can verify
-    more than K; the extra slot's confidence lets the next K grow), and ``async_capacity`` prices each K at that
-    depth when the profile has a depth-1 drafting table. Any depth fixed before drafting keeps the output exact.
-
-    A probe drafts only ``probe_requests`` requests (default 2; the engine picks those with the fewest target
-    states still to feed the drafter), the others verify nothing that step: a probe exists to refresh the
-    confidence history, and under load drafting every request — and first feeding each one the states of every
-    token since its last draft — cost a probe 3× a plain step (C = 8 on the dev CPU), ~2 % of all time at one
-    probe per 64 steps. Only the probed rows enter the history (pooling weighs steps by their rows).
-
-    K pools the newest old-enough steps until they hold ``pool_requests`` rows (at most ``pool_steps`` steps, none
-    older than ``max_age`` steps unless it is the newest one; see ``async_capacity``): at high load that is the one
-    step lag 2 names, at R = 1 the last 8 drafted steps. The age limit matters after a run of skipped steps: the
-    pool was then mostly the weak steps that ended the last drafting run, one probe row could not outweigh them,
-    and each probe doubled the interval to the next (at C = 2, 850 skipped steps in 60 s with it, 1,969 without).
-
-    With ``early_stop`` the step admits its K drafts by Algorithm 1 on the current confidences, stopping where the
-    next draft no longer pays (``sync_prefix_schedule`` capped at K) instead of taking the top K unconditionally:
-    K from a pool of old steps over-promises when the text just turned hard — at C = 1 on the dev CPU 14 % of the
-    steps verified K >= 4 drafts of which 15 % were accepted (results/serving-s18-mingain). Lossless for the
-    same reason as Algorithm 1: the cap and the stop read only slots visited earlier. Not the default: in the
-    slow phase of session 19 the profile never let K pass 1 at C = 1 and the decisions came out the same
-    (results/serving-s19-early-stop).
-
-    With ``lean_depth`` the extra slot is drafted only while K + 1 could pay (``could_grow``: even if the next
-    draft were as likely as the K-th): on the dev CPU's slow phase a third token in a one-request step cost 24 ms
-    more than a second (81 against 57 ms, ``dspark profile --drafter dspark``), no slot-2 confidence could make
-    K = 2 pay, and drafting slot 2 for nothing cost ~1.1 ms a step (the profile's depth-1 and depth-7 prices). Lossless: it reads the same old confidences as K. Not the default: drafting fell
-    from 10.8 to 10.4 % of step time at C = 1 and throughput did not move measurably (results/serving-s19-lean).
-
-    With ``spread_depth`` (the default since session 29) the drafted depth is also capped by how K was shared in
-    the pooled steps: one more than the most slots a single request took when each pooled step's own top-K was
-    chosen. K counts the drafts of the whole batch, but at R = 2 on the dev CPU (slow state of session 29) K >= 4
-    on 94 % of the steps verified 3.9 drafts a step for the two requests, while K + 1 >= 5 slots were drafted per
-    request, 5.7 ms of drafting a step against fixed-2's depth 2 (results/decisions-s29). With the cap: 1.017 [1.008, 1.022] of the uncapped
-    throughput at C = 2, 1.013 [1.012, 1.015] at C = 4, 0.997 at C = 1 where it cannot bite (3 repeats, paired;
-    results/spread-s29). Lossless: the cap reads only old confidences. K is still priced at depth K + 1, which
-    errs on the side of drafting less.
-
-    At loads of at most ``joint_requests`` requests (default 2) K and the drafted depth d are priced together:
-    each d from 1 to the deepest any pooled step drafted, priced from the pooled steps that drafted at least d
-    slots, truncated to d, with drafting at d, and the best (K <= R·d, d) wins (``capacity_and_depth``); top-K
-    then picks among the slots drafted. Priced at depth K + 1, K = 4 at R = 2 charged five drafted slots a request
-    where two requests verifying two drafts each need two, exactly fixed-2's step: the policy settled on K = 3 at
-    depth 3-4, and with fixed-2 in the grid it reached 0.93-0.94 of it at C = 2 (bf16, T = 1; joint pricing
-    0.96-0.99 in the same runs: results/serving-s40-t1-bf16, -joint-low, -joint-online, -joint-c4). A depth
-    nothing in the pool drafted cannot be priced, so every ``explore_every``-th drafting step (counted over the
-    whole run, the first one included) drafts one slot more; top-K may take it too. Why not at every load: at C = 4
-    joint pricing found MTP-1's shape (K = R, depth 1) worth drafting off a probe's two rows, where on this CPU
-    MTP-1 runs at 0.94 of plain decoding; drafting runs that start after skipped steps pay for feeding the drafter
-    the states it missed, which the profile does not price, and pricing at depth K + 1 kept that margin (async
-    0.976-0.987 of the best fixed policy at C = 4 with it, 0.961-0.981 with joint pricing, in the same runs). With
-    R <= ``probe_requests`` every probe drafts all requests, so pools are whole and drafting runs long. Lossless:
-    d, K and the exploring step read only old confidences and counts of past decisions.
-
-    With ``online_calibration`` (policy ``async-online``) every confidence it uses is first scaled by the ratio of
-    accepted to predicted drafts on the verified slots so far (``acceptance_tracker.py``); the engine reports each
-    verified step through ``observe_outcomes``. Not the default: on the dev CPU it lowered the verify budget where
-    the offline calibration ran over-confident but bought no throughput (results/serving-dspark-more).
-
-    Two rules for loads where a probe drafts fewer requests than the batch holds (R > ``probe_requests``):
-    with ``confirm`` a pool thinner than the batch (fewer than min(``pool_requests``, R) rows: a probe's two
-    rows pricing K for eight requests) that prices K > 0 from a skipped state is probed again before every
-    request drafts, and K > 0 comes once the pooled probes hold enough rows: on the dev AVX-512 CPU at C = 4,
-    steps verifying K >= 4 drafts from two-row pools accepted 28 % of them against 43 % for the probes' own
-    Algorithm 1 (scripts/engine_step_times.py --async-decisions). With ``steady_run`` = n a drafting run
-    resets the probe interval only once it has lasted n steps; a shorter one (a false start on a lucky probe)
-    keeps the backed-off interval, where by default every such run reset it and the probes never backed off
-    (C = 4: 132 probes in 90 s, 74 with ``steady_run=4``). Both read only past decisions and old confidences.
-
-    With ``far_probe_every`` above ``max_probe_every`` (say 256) probes back off further under a steady load
-    where speculation is far from paying: a probe of fewer requests than the batch holds, whose pool priced the
-    best K more than ``far_loss`` (10 %, three times the profile's pricing error) below plain decoding, lets the
-    interval go on doubling up to ``far_probe_every``, and what would make drafting pay sooner, the load
-    falling, is watched instead: once the batch holds at most half the requests it held when the interval passed
-    ``max_probe_every``, the next probe comes after ``probe_every`` skipped steps. At C = 8 on the dev AVX-512
-    CPU, probes at the 64-step cap came once in ~50 steps, each 7.3 ms over a plain step (two requests drafted
-    and fed their backlog), 0.4 % of all step time; at C = 16 the pools before them priced 0.82–0.85 of plain
-    decoding (``scripts/engine_step_times.py --async-decisions``, results/decisions-s24). With
-    ``far_probe_every=256`` probes at C = 16 fell from 31 to 12 in 90 s, but throughput did not move measurably
-    (results/serving-s24-far: 1.006 / 1.002 / 0.998 / 1.001 for the 64-step cap over it at C = 4 / 8 / 16 /
-    32), so it is not the default. Both rules read only past prices and request counts, so they stay lossless.
-
-    With ``price_context`` (the default) each step is priced at the running requests' mean context, which the
-    engine passes to ``prepare``: every verified token attends to its request's whole context, so verification
-    costs more than the profile's grid (measured at 256 tokens) says once contexts grow long, and less below (see
-    ``profile.py``). ``price_context=0`` prices every step at the grid's context, as before session 26.
-
-    With ``live`` the profile's prices follow the step times the engine reports through ``observe_step``
-    (``live_profile.py``: plain, verify and drafting prices each corrected by the median measured / predicted
-    ratio of their recent steps), for a machine whose speed drifts after the profile was measured.
+    - ``min_gain`` (3 %): K > 0 only when it beats plain decoding by more than the profile's pricing error;
+      ``stay_gain`` (0): once drafting, keep on while the best K beats plain decoding at all (hysteresis).
+    - ``pool_requests`` / ``pool_steps`` / ``max_age``: K pools the newest old-enough steps until they hold 8
+      rows (at R = 1 the last 8 drafted steps), none older than 16 steps unless it is the newest.
+    - ``probe_requests`` (2), ``reprobe_every`` (2), ``near_loss`` (5 %): a probe that drafts every running
+      request is an ordinary drafting step, so at such loads probes come soon after a drafting run ends and keep
+      coming while the best K is priced near plain decoding.
+    - ``spread_depth`` (on): the drafted depth is capped by how K was shared in the pooled steps.
+    - ``joint_requests`` (2), ``explore_every`` (8): at low load K and the drafted depth are priced together
+      (``depth_pricing.capacity_and_depth``); every 8th drafting step drafts one slot more, so deeper depths
+      keep a price.
+    - ``price_context`` (on): steps are priced at the running requests' mean context.
+    - Off by default: ``early_stop`` (Algorithm 1 capped at K), ``lean_depth`` (no extra slot unless K + 1
+      could pay), ``online_calibration`` (policy ``async-online``: confidences scaled by accepted / predicted so
+      far, ``acceptance_tracker.py``), ``confirm`` and ``steady_run`` (thin pools and false starts under load),
+      ``far_loss`` / ``far_probe_every`` (probes back off further where drafting is far from paying), ``live``
+      (prices follow the measured step times, ``live_profile.py``).
     """
 
     needs_confidence = True
