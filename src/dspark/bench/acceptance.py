@@ -143,8 +143,8 @@ def head_latency(loaded, drafter, ids: list[int], repeats: int = 20) -> dict | N
         return None  # model-free drafters (n-gram): nothing to split
     has_heads = getattr(model, "head", None) is not None
     cache = loaded.model.new_cache()
-    out = loaded.model.forward(torch.tensor(ids), [Segment(cache, 0, len(ids))], logit_rows=torch.tensor([len(ids) - 1]),
-                               hidden_layers=drafter.needs_layers)
+    out = loaded.model.forward(torch.tensor(ids), [Segment(cache, 0, len(ids))],
+                               logit_rows=torch.tensor([len(ids) - 1]), hidden_layers=drafter.needs_layers)
     request = DraftRequest(tokens=list(ids) + [int(out.logits.argmax())], params=SamplingParams(temperature=1.0),
                            generator=torch.Generator().manual_seed(0))
     drafter.observe(request, out.hidden, len(ids))

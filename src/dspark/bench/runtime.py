@@ -142,7 +142,8 @@ def summarise(runs: list[dict]) -> list[dict]:
             taus = [r["tau"] for r in sel if "tau" in r]
             out.append({"temperature": t, "system": system, "prompts": len(sel),
                         "median_tokens_per_s": median(r["tokens_per_s"] for r in sel),
-                        "aggregate_tokens_per_s": tokens / seconds, "mean_tau": sum(taus) / len(taus) if taus else None})
+                        "aggregate_tokens_per_s": tokens / seconds,
+                        "mean_tau": sum(taus) / len(taus) if taus else None})
     return out
 
 

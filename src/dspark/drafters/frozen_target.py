@@ -61,7 +61,8 @@ class DraftVocabMixin:
         ids = torch.as_tensor(ids, dtype=torch.long).flatten().sort().values
         V = self.frozen.lm_head.shape[0]
         if self.vocab_ids is None or ids.numel() != self.vocab_ids.numel():
-            raise ValueError(f"this drafter's architecture has draft_vocab={self.arch.draft_vocab}; got {ids.numel()} ids")
+            raise ValueError(f"this drafter's architecture has draft_vocab={self.arch.draft_vocab}; "
+                             f"got {ids.numel()} ids")
         if ids.unique().numel() != ids.numel() or int(ids[0]) < 0 or int(ids[-1]) >= V:
             raise ValueError(f"draft vocabulary ids must be distinct and in [0, {V})")
         with torch.no_grad():

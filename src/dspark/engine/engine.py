@@ -273,7 +273,8 @@ class Engine:
             try:
                 a = int(result.accepted[i])
                 req.cache.truncate(len(req.prompt) + len(req.output) + a)  # anchor + accepted drafts stay
-                req.rounds, req.drafted, req.accepted = req.rounds + 1, req.drafted + int(plan.lengths[i]), req.accepted + a
+                req.rounds, req.accepted = req.rounds + 1, req.accepted + a
+                req.drafted += int(plan.lengths[i])
                 req.accepted_hist.append(a)
                 req.verified_hist.append(int(plan.lengths[i]))
                 if self.config.record_confidences and plan.confidence_logits is not None:

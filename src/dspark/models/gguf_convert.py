@@ -125,9 +125,9 @@ def _config_from_fields(reader, arch: str) -> dict:
         config["hidden_activation"] = "gelu_pytorch_tanh"
     scaling = get("rope.scaling.type")
     if scaling and scaling != "none":
+        original = int(get("rope.scaling.original_context_length", config["max_position_embeddings"]))
         config["rope_scaling"] = {"rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0)),
-                                  "original_max_position_embeddings":
-                                      int(get("rope.scaling.original_context_length", config["max_position_embeddings"]))}
+                                  "original_max_position_embeddings": original}
     return config
 
 

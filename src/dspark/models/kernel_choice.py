@@ -3,11 +3,11 @@
 Two choices, both measured because they depend on the CPU and even on the VM's phase:
 
 * Up to how many rows our C kernel (models/native.py; fp32, and bf16 where the CPU has bf16 dot products) serves
-  a projection before oneDNN's packed product does. On the 2-core dev machine the C kernel beat oneDNN at every row count up to 16 in one phase (`python -m
-  dspark.bench.kernels --rows 1,2,3,4,6,8,12,16`, results/kernels-s20), while in a faster phase its
-  one-row-at-a-time predecessor lost from 4 rows (results/runtime-s16). A fixed limit fits one of them; a verify
-  step of 3-8 tokens then pays the slower kernel (57 -> 81 ms from 2 to 3 tokens with the limit at 2,
-  results/serving-s19-early-stop/profile.txt).
+  a projection before oneDNN's packed product does. On the 2-core dev machine the C kernel beat oneDNN at every
+  row count up to 16 in one phase (`python -m dspark.bench.kernels --rows 1,2,3,4,6,8,12,16`,
+  results/kernels-s20), while in a faster phase its one-row-at-a-time predecessor lost from 4 rows
+  (results/runtime-s16). A fixed limit fits one of them; a verify step of 3-8 tokens then pays the slower kernel
+  (57 -> 81 ms from 2 to 3 tokens with the limit at 2, results/serving-s19-early-stop/profile.txt).
 * Which row counts below `PAD_TO` oneDNN runs faster padded to `PAD_TO` rows. On the dev CPU its packed product
   takes a slower path for 1-2 rows than for 4: in a bf16 SmolLM2 forward its own time is 12.3 / 13.4 ms at 1 / 2
   rows against 10.7 at 4 (results/forward-parts-s38). A bf16 model had no C kernel then, so every decode step

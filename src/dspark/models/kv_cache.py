@@ -18,7 +18,8 @@ class KVCache:
         self.dtype = dtype
         self.max_capacity = max_capacity
         self.length = 0  # positions 0..length-1 hold valid keys/values
-        self.k = torch.empty(num_layers, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)  # [L, kvH, cap, hd]
+        # [L, kvH, cap, hd]
+        self.k = torch.empty(num_layers, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
 
     @property

@@ -166,9 +166,9 @@ def bucket_rows(rows: int) -> int:
     buckets are 4 wide, and above they grow with the rows so that padding stays under 1/8 of them. With 16-row
     buckets from 33 rows and 128-row ones from 129, a 34-row step (32 requests, two drafts; padded to 48) cost
     59.8 ms against 48.1 padded to 36, and a 140-token prefill beside 8 decoding rows (148, padded to 256) 158
-    against 112 ms padded to 160 (scripts/bucket_cost.py, results/buckets-s24). The price is memory: once every size up to 1,024 rows has
-    run, resident memory has grown by 189 MB, against 97 MB for the 27 coarser sizes (SmolLM2-135M on the dev CPU,
-    `scripts/bucket_cost.py --rss`)."""
+    against 112 ms padded to 160 (scripts/bucket_cost.py, results/buckets-s24). The price is memory: once every
+    size up to 1,024 rows has run, resident memory has grown by 189 MB, against 97 MB for the 27 coarser sizes
+    (SmolLM2-135M on the dev CPU, `scripts/bucket_cost.py --rss`)."""
     if rows <= 8:
         return rows
     step = (4 if rows <= 64 else 8 if rows <= 128 else 16 if rows <= 256 else 32 if rows <= 512

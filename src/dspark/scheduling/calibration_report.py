@@ -49,7 +49,8 @@ def threshold_sweep(conf, n_acc, thresholds: Sequence[float] | None = None, *,
 def metrics_table(cal: Calibration) -> str:
     """Markdown table: per position k, ECE / ROC-AUC / Brier before -> after, the fitted temperature and shift, the
     ECE floor: what a perfectly calibrated predictor would show with the same confidences and number of rounds."""
-    lines = ["| k | T_k | b_k | ECE before | ECE after | ECE floor | AUC before | AUC after | Brier before | Brier after |",
+    lines = ["| k | T_k | b_k | ECE before | ECE after | ECE floor | AUC before | AUC after | Brier before "
+             "| Brier after |",
              "|---|-----|-----|-----------|----------|----------|-----------|----------|-------------|------------|"]
     for k, (t, shift) in enumerate(zip(cal.temperatures, cal.shifts)):
         b = cal.before[k] if k < len(cal.before) else None
@@ -61,7 +62,8 @@ def metrics_table(cal: Calibration) -> str:
             v = getattr(m, attr)
             return f"{100 * v:.2f}%" if pct else f"{v:.4f}"
 
-        lines.append(f"| {k + 1} | {t:.3f} | {shift:+.2f} | {f(b, 'ece', True)} | {f(a, 'ece', True)} | {f(a, 'ece_floor', True)} | "
+        lines.append(f"| {k + 1} | {t:.3f} | {shift:+.2f} | {f(b, 'ece', True)} | {f(a, 'ece', True)} | "
+                     f"{f(a, 'ece_floor', True)} | "
                      f"{f(b, 'auc')} | "
                      f"{f(a, 'auc')} | {f(b, 'brier')} | {f(a, 'brier')} |")
     return "\n".join(lines)

@@ -67,7 +67,8 @@ class ServingEngine(AsyncEngine):
         with self.lock:
             e = self.engine
             return {"stats": copy.deepcopy(e.stats), "waiting": len(e.waiting), "running": len(e.running),
-                    "kv_reserved": e.kv_reserved, "kv_cached": e.kv_cached, "kv_budget": e.kv_budget, "alive": self.thread.is_alive(),
+                    "kv_reserved": e.kv_reserved, "kv_cached": e.kv_cached, "kv_budget": e.kv_budget,
+                    "alive": self.thread.is_alive(),
                     "error": None if self.error is None else repr(self.error)}
 
     def close(self, deadline_s: float) -> None:

@@ -37,7 +37,8 @@ def forward_hidden(model: DSparkModel, batch: Batch) -> torch.Tensor:
     kv = model.context_kv(feats, batch.ctx_pos)  # per layer [N, kvH, hd]
     ctx_kv = [(k[batch.ctx_index], v[batch.ctx_index]) for k, v in kv]  # [G, T, kvH, hd]
     T = batch.ctx_index.shape[1]
-    visible = torch.arange(T, device=batch.anchors.device)[None, None, :] < batch.anchors.unsqueeze(-1)  # [G, A, T]: strictly before anchor
+    # [G, A, T]: strictly before the anchor
+    visible = torch.arange(T, device=batch.anchors.device)[None, None, :] < batch.anchors.unsqueeze(-1)
     visible &= batch.block_valid.unsqueeze(-1)
     return model.backbone(batch.block_ids, batch.anchors, ctx_kv, visible)
 
@@ -45,7 +46,8 @@ def forward_hidden(model: DSparkModel, batch: Batch) -> torch.Tensor:
 def block_terms(model: DSparkModel, h: torch.Tensor, prev: torch.Tensor, labels: torch.Tensor,
                 valid: torch.Tensor, target_hidden: torch.Tensor, weights: torch.Tensor) -> dict:
     """Weighted loss sums of B blocks. h, target_hidden: [B, γ, d]; prev, labels, valid: [B, γ]; weights: [γ].
-    -> {ce, tv, conf, soft: scalar sums (with grad); den, top1: floats; accept: [γ] Σ(1 − ½‖q−p‖₁); count: [γ]}"""
+    -> {ce, tv, conf, soft: scalar sums (with grad); den, top1: floats; accept: [γ] Σ(1 − ½‖q−p‖₁);
+    count: [γ]}"""
     logits = model.base_logits(h)  # [B, γ, Vd] fp32
     if model.head is not None:
         logits = logits + model.head.block_bias(prev, h).float()
@@ -93,7 +95,8 @@ def valid_blocks(batch: Batch, h: torch.Tensor):
     return h[keep], batch.prev_ids[keep], batch.labels[keep], batch.slot_valid[keep], batch.target_hidden[keep]
 
 
-def batch_loss(model: DSparkModel, batch: Batch, alpha=(0.1, 0.9, 1.0), decay: float = 4.0) -> tuple[torch.Tensor, dict]:
+def batch_loss(model: DSparkModel, batch: Batch, alpha=(0.1, 0.9, 1.0),
+               decay: float = 4.0) -> tuple[torch.Tensor, dict]:
     """Loss of one batch normalised by its own denominator (evaluation and tests; training uses `backward`)."""
     h, prev, labels, valid, th = valid_blocks(batch, forward_hidden(model, batch))
     terms = block_terms(model, h, prev, labels, valid, th, slot_weights(h.shape[1], decay, h.device))
@@ -108,7 +111,8 @@ def backward(model: DSparkModel, batch: Batch, den_total: float, alpha, decay: f
     h, prev, labels, valid, th = valid_blocks(batch, forward_hidden(model, batch))
     weights = slot_weights(h.shape[1], decay, h.device)
     return chunked_backward(
-        h, chunk_blocks, lambda hp, part: block_terms(model, hp, prev[part], labels[part], valid[part], th[part], weights),
+        h, chunk_blocks,
+        lambda hp, part: block_terms(model, hp, prev[part], labels[part], valid[part], th[part], weights),
         lambda terms: combine(terms, den_total, alpha))
 
 

@@ -31,7 +31,8 @@ def _math(rng: random.Random) -> str:
     price, pct = _money(rng, lo, hi), rng.choice([10, 15, 20, 25, 30, 40, 50])
     speed, hours = rng.randint(20, 90), rng.randint(2, 9)
     problems = [
-        f"{name} buys {a} {item} at {rng.choice(PLACES)} for ${price:.2f} each and pays with a ${(a * price // 10 + 1) * 10:.0f}"
+        f"{name} buys {a} {item} at {rng.choice(PLACES)} for ${price:.2f} each and pays with a "
+        f"${(a * price // 10 + 1) * 10:.0f}"
         f" bill. How much change does {name} get?",
         f"{name} has {a} {item}. {other} has {b} times as many. They give away {c} each. How many {item} do they "
         f"have together now?",
@@ -75,7 +76,8 @@ TASKS = [
     "finds the missing number in a list from 1 to n", "implements bubble sort", "implements quicksort",
     "computes the edit distance between two strings", "checks whether a binary tree is balanced",
     "returns the level-order traversal of a binary tree", "detects a cycle in a linked list",
-    "implements an LRU cache", "computes prime numbers up to n with a sieve", "compresses a string with run-length encoding",
+    "implements an LRU cache", "computes prime numbers up to n with a sieve",
+    "compresses a string with run-length encoding",
     "finds the first non-repeating character of a string", "validates an email address with a regular expression",
 ]
 LANGUAGES = ["Python"] * 6 + ["JavaScript", "C++", "Java", "Go", "Rust", "TypeScript"]
@@ -111,7 +113,8 @@ def _chat(rng: random.Random) -> str:
         f"Write a short essay about {topic}.", f"Give me five practical tips about {topic}.",
         f"Compare {topic} and {other}. How are they related, if at all?",
         f"Write a short poem about {topic}.", f"Summarize the history of {topic} in a few paragraphs.",
-        f"What are common misconceptions about {topic}?", f"Write a friendly email inviting a friend to a talk on {topic}.",
+        f"What are common misconceptions about {topic}?",
+        f"Write a friendly email inviting a friend to a talk on {topic}.",
         f"I am a beginner. How should I start learning about {topic}?",
         f"Write a product description for a board game themed around {topic}.",
         f"Give a step-by-step plan for a one-week project on {topic}.",
