@@ -112,7 +112,9 @@ def _widen(proposal, rows: list[int] | None, n: int):
     """The proposal of a subset of requests laid out over all n: rows not drafted get 0 drafts, confidence 0
     (never admitted) and NaN raw confidence logits (never used for calibration: they verify nothing). The draft
     distributions stay those of the subset (``StepPlan.draft_rows`` says whose): laid out over all n they were a
-    [n, γ, V] buffer of zeros, 7 ms of a probe's 62 at sixteen requests (bf16, T = 1)."""
+    [n, γ, V] buffer of zeros (22 MB at 16 requests). With verification's split (decoding/batch.py) a probe's
+    planning cost 9.5 ms over a skipped step's instead of 13.3 at 16 requests, 9.7 instead of 19.6 at 32 (bf16,
+    T = 1; scripts/probe_step_cost.py, results/probe-cost-s42)."""
     conf = None if proposal.confidences is None else proposal.confidences.double().numpy()
     raw = getattr(proposal, "confidence_logits", None)
     raw = None if raw is None else raw.double().numpy()
