@@ -13,14 +13,12 @@ pool happened to look good. Probes (Algorithm 1 on the current confidences) are 
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import time
 
 import numpy as np
 
-from dspark.bench.closed_loop import ClosedLoop
-from dspark.bench.serving import ServeBenchConfig, setup
+from _one_engine import engine_args, one_engine
 from dspark.scheduling.depth_pricing import depth_survivals
 
 
@@ -65,18 +63,9 @@ def report(name: str, rows: list) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--seconds", type=float, default=120.0)
-    ap.add_argument("--policy", default="async", help="an async policy spec, options allowed")
-    ap.add_argument("--dtype", default="float32", help="the target's dtype (bench serve's --dtype)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature")
-    args = ap.parse_args()
-    cfg = ServeBenchConfig(drafter="dspark", dtype=args.dtype, policies=(args.policy,),
-                           concurrency=(args.concurrency,), max_new_tokens=64, temperature=args.temperature)
-    _, _, prompts, params, engines = setup(cfg)
-    engine = engines[args.policy]
-    policy, loop = engine.policy, ClosedLoop(engine, prompts, args.concurrency, params, 0.5)
+    args = engine_args(__doc__, concurrency=1, seconds=120.0).parse_args()
+    engine, loop = one_engine(args)
+    policy = engine.policy
     prepare, promised = policy.prepare, {}
 
     def spy(n_requests, context=None):

@@ -13,14 +13,12 @@ beyond plain decoding there.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import time
 
 import numpy as np
 
-from dspark.bench.closed_loop import ClosedLoop
-from dspark.bench.serving import ServeBenchConfig, setup
+from _one_engine import engine_args, one_engine
 from dspark.engine import engine as engine_module
 
 PHASES = ("plan", "forward", "commit")
@@ -37,22 +35,13 @@ def timed(phases: dict, name: str, fn):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--seconds", type=float, default=90.0)
-    ap.add_argument("--policy", default="async", help="an async policy spec, options allowed")
-    ap.add_argument("--dtype", default="float32", help="the target's dtype (bench serve's --dtype)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature")
-    args = ap.parse_args()
-    cfg = ServeBenchConfig(drafter="dspark", dtype=args.dtype, policies=(args.policy,),
-                           concurrency=(args.concurrency,), max_new_tokens=64, temperature=args.temperature)
-    _, _, prompts, params, engines = setup(cfg)
-    engine = engines[args.policy]
+    args = engine_args(__doc__, concurrency=16, seconds=90.0).parse_args()
+    engine, loop = one_engine(args)
     phases = collections.defaultdict(float)
     engine_module.plan_step = timed(phases, "plan", engine_module.plan_step)
     engine.model.forward = timed(phases, "forward", engine.model.forward)
     engine._commit_decoding = timed(phases, "commit", engine._commit_decoding)
-    loop, rows = ClosedLoop(engine, prompts, args.concurrency, params, 0.5), collections.defaultdict(list)
+    rows = collections.defaultdict(list)
     total, t_end = 0.0, time.time() + args.seconds
     while time.time() < t_end:
         phases.clear()
