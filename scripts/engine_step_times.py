@@ -42,6 +42,8 @@ from dspark.engine.profiling import load_or_profile, profile_key
 def step_times(loops: dict, seconds: float, profile) -> None:
     rec = {n: collections.defaultdict(list) for n in loops}
     prefill = {n: np.zeros(3) for n in loops}  # steps with a prompt chunk in them: count, step s, drafter s
+    undrafted = {n: ([], []) for n in loops}  # decode-only steps that drafted nothing: after a plain / drafting step
+    drafted_last = dict.fromkeys(loops, False)
     t_end, order = time.time() + seconds, random.Random(0)
     while time.time() < t_end:  # shuffled each round, as `bench serve` does: a step after a drafting one is slower
         for name, loop in order.sample(list(loops.items()), len(loops)):
@@ -51,8 +53,11 @@ def step_times(loops: dict, seconds: float, profile) -> None:
             plan = loop.engine.last_plan
             if plan is not None and plan.prefilling and s.steps > before[0]:
                 prefill[name] += (1, s.step_seconds_total - before[1], s.drafter_seconds_total - before[3])
+            drafted, drafted_last[name] = drafted_last[name], plan is not None and plan.drafted_requests > 0
             if plan is None or plan.prefilling or not plan.decoding or s.steps == before[0]:
                 continue
+            if not plan.drafted_requests:
+                undrafted[name][drafted].append(s.step_seconds_total - before[1])
             rec[name][len(plan.tokens)].append((s.step_seconds_total - before[1], s.forward_seconds_total - before[2],
                                                 s.drafter_seconds_total - before[3], len(plan.decoding)))
     for name, by_b in rec.items():
@@ -64,6 +69,13 @@ def step_times(loops: dict, seconds: float, profile) -> None:
             print(f"{name:8s} B={b:3d} R={r:2d} n={len(rows):4d}  step {1e3 * a[0]:6.1f} ms  forward {1e3 * a[1]:6.1f} "
                   f"(profile {1e3 * float(profile.step_s(b, n_requests=r)):6.1f})  drafter {1e3 * a[2]:5.1f} "
                   f"(profile {1e3 * float(profile.draft_s(r)):5.1f})")
+    for name, (after_plain, after_draft) in undrafted.items():  # where a mean sits above its median
+        both = np.array(after_plain + after_draft)
+        if both.size:
+            print(f"{name}: {both.size} decode-only steps that drafted nothing: median {1e3 * np.median(both):.1f} ms, "
+                  f"mean {1e3 * both.mean():.1f}, 90 % {1e3 * np.quantile(both, 0.9):.1f}; after a plain step "
+                  f"n={len(after_plain)} mean {1e3 * np.mean(after_plain or [np.nan]):.1f}, after a drafting step "
+                  f"n={len(after_draft)} mean {1e3 * np.mean(after_draft or [np.nan]):.1f}")
     for name, loop in loops.items():
         st = loop.engine.stats
         n, step_s, drafter_s = prefill[name]
