@@ -45,8 +45,9 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
 
     greedy = [r for r in range(R) if params[r].greedy]
     sampled = [r for r in range(R) if not params[r].greedy]
-    drafting = [r for r in sampled if num_draft[r] > 0]
-    undrafted = [r for r in sampled if num_draft[r] == 0]
+    counts = num_draft.tolist()  # once: indexing the tensor per request is a per-step cost that grows with R
+    drafting = [r for r in sampled if counts[r] > 0]
+    undrafted = [r for r in sampled if counts[r] == 0]
     groups = ((greedy, True), (sampled, False)) if not drafting or not undrafted else (
         (greedy, True), (drafting, False), (undrafted, False))
     for group, is_greedy in groups:
