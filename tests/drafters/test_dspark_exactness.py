@@ -293,7 +293,7 @@ RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0
          # start a drafting run before it can bring the next probe forward
          "far back-off": dict(probe_every=1, max_probe_every=2, far_probe_every=16, probe_requests=1,
                               min_gain=0.5, max_age=4),
-         "probes soon once the load halves": dict(probe_every=1, max_probe_every=2, far_probe_every=16,
+         "probes soon once the load halves": dict(probe_every=2, max_probe_every=4, far_probe_every=16,
                                                   probe_requests=1, min_gain=0.5, max_age=4),
          "priced at the context": dict(min_gain=0.0, max_age=4),
          "depth capped by the spread of K": dict(spread_depth=1, min_gain=0.0, max_age=4),
@@ -369,11 +369,11 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
     seen, prepare, select, probes = set(), policy.prepare, policy.select, [0]  # probes since the last drafting run
 
     def spy(n_requests, context=None):
-        confirmed, far_load = policy._confirmed, policy._far_load
+        confirmed, far_load = policy._confirmed, policy._backoff_load
         drafts = prepare(n_requests, context=context)
         if policy._interval > policy.max_probe_every:
             seen.add("far back-off")  # probes rarer than max_probe_every allows
-        if far_load and not policy._far_load and policy.last_capacity == 0 and not policy._probing:
+        if far_load and not policy._backoff_load and policy.last_capacity == 0 and not policy._probing:
             seen.add("probes soon once the load halves")  # the interval reset without a probe or a drafting run
         if policy._probing and policy._confirmed != confirmed:
             seen.add("confirmed thin pool")  # a probe run because the pool was thinner than the batch

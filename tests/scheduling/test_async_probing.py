@@ -1,7 +1,7 @@
 """The async scheduler's probing under load, where a probe drafts fewer requests than the batch holds:
 ``confirm`` (a promising pool thinner than the batch is re-probed before every request drafts), ``steady_run``
 (a drafting run that ends at once keeps the backed-off probe interval) and the far back-off (probes rarer than
-``max_probe_every`` while drafting is priced far from paying, soon again once the load halves). All read only
+``max_probe_every`` while drafting is priced far from paying) and ``watch_load`` (soon again once the load halves). All read only
 past decisions, old confidences and request counts; the engine-level exactness of every async variant is in
 tests/drafters/test_dspark_exactness.py."""
 import numpy as np
@@ -100,9 +100,9 @@ def _probe_steps(pol: AsyncPolicy, loads: list[int], confidence: float) -> list[
     return probes
 
 
-def _far_policy(far_probe_every: int = 32, priced_for: int = 3) -> AsyncPolicy:
+def _far_policy(far_probe_every: int = 32, priced_for: int = 3, **kw) -> AsyncPolicy:
     return AsyncPolicy(_priced_for(priced_for), min_gain=0.1, pool_requests=1, probe_every=2, max_probe_every=8,
-                       far_probe_every=far_probe_every)
+                       far_probe_every=far_probe_every, **kw)
 
 
 def test_probes_back_off_past_the_cap_only_while_drafting_is_priced_far_from_paying():
@@ -127,10 +127,26 @@ def test_probes_come_soon_again_once_the_load_halves_after_a_far_back_off():
     assert min(s for s in dip if s > 70) == 101
 
 
+def test_probes_come_soon_again_once_the_load_halves_below_the_cap():
+    """Without the far back-off: at four requests probes back off to the 8-step cap (one in 9 steps, at 36, 45,
+    54, 63); when the batch falls to two at step 65 the next probe comes after probe_every = 2 skipped steps
+    (step 66), where without watch_load it waits for the cap (step 72). A dip to three moves nothing."""
+    def probes(loads, **kw):
+        return _probe_steps(_far_policy(far_probe_every=8, priced_for=4, **kw), loads, 0.05)
+
+    before = [s for s in probes([4] * 65) if s > 30]
+    assert before == [36, 45, 54, 63]
+    assert min(s for s in probes([4] * 65 + [2] * 20) if s > 63) == 66
+    assert min(s for s in probes([4] * 65 + [2] * 20, watch_load=0) if s > 63) == 72
+    assert min(s for s in probes([4] * 65 + [3] * 20) if s > 63) == 72
+
+
 def test_probing_options_are_validated_and_reachable_by_name():
-    pol = make_policy("async:confirm=1:steady_run=4:far_loss=0.3:far_probe_every=128", sps=_priced_for(1))
+    pol = make_policy("async:confirm=1:steady_run=4:far_loss=0.3:far_probe_every=128:watch_load=0",
+                      sps=_priced_for(1))
     assert pol.confirm is True and pol.steady_run == 4 and pol.far_loss == 0.3 and pol.far_probe_every == 128
+    assert pol.watch_load is False
     for bad in ({"confirm": 2}, {"steady_run": 0}, {"far_loss": 0.0}, {"far_loss": 1.0},
-                {"far_probe_every": 32}):
+                {"far_probe_every": 32}, {"watch_load": 2}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             AsyncPolicy(_priced_for(1), **bad)

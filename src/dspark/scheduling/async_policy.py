@@ -47,6 +47,8 @@ class AsyncPolicy:
       far, ``acceptance_tracker.py``), ``confirm`` and ``steady_run`` (thin pools and false starts under load),
       ``far_loss`` / ``far_probe_every`` (probes back off further where drafting is far from paying), ``live``
       (prices follow the measured step times, ``live_profile.py``).
+    - ``watch_load`` (on): once the batch holds at most half the requests it held when the probes began backing
+      off, the next probe comes after ``probe_every`` skipped steps (off: only past ``max_probe_every``).
     """
 
     needs_confidence = True
@@ -60,7 +62,7 @@ class AsyncPolicy:
                  early_stop: bool = False, lean_depth: bool = False, live: bool = False, steady_run: int = 1,
                  confirm: bool = False, far_loss: float = 0.1, far_probe_every: int | None = None,
                  price_context: bool = True, spread_depth: bool = True, joint_requests: int = 2,
-                 explore_every: int = 8):
+                 explore_every: int = 8, watch_load: bool = True):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -107,6 +109,9 @@ class AsyncPolicy:
         if far_probe_every < max_probe_every:
             raise ValueError(f"need far_probe_every >= max_probe_every = {max_probe_every}, got {far_probe_every}")
         self.far_loss, self.far_probe_every = far_loss, far_probe_every
+        if watch_load not in (0, 1):
+            raise ValueError(f"watch_load must be a bool (0 or 1), got {watch_load!r}")
+        self.watch_load = bool(watch_load)
         if price_context not in (0, 1):
             raise ValueError(f"price_context must be a bool (0 or 1), got {price_context!r}")
         self.prices_context = bool(price_context)  # prepare() takes the requests' mean context (see ``sps``)
@@ -140,7 +145,7 @@ class AsyncPolicy:
         self._skipped = 0  # drafter-skipped steps in a row
         self._interval = self.probe_every  # skipped steps before the next probe
         self._run = 0  # K > 0 steps in a row
-        self._far_load = 0  # requests in the batch when the interval passed max_probe_every (0: it has not)
+        self._backoff_load = 0  # requests in the batch when probes began backing off (watch_load; 0: they have not)
         self._confirmed: tuple = ()  # the thin pool the last confirming probe was run for
         self._planned = False
         self._context = 0  # the running requests' mean context, rounded (0: not given)
@@ -204,17 +209,17 @@ class AsyncPolicy:
         self._drafting_steps += bool(self.last_capacity)
         if self.last_capacity:  # when this run ends, look again soon if a probe is just a drafting step
             if n_requests <= self.probe_requests:
-                self._interval, self._far_load = self.reprobe_every, 0
+                self._interval, self._backoff_load = self.reprobe_every, 0
             elif self._run >= self.steady_run:  # a false start keeps the backed-off interval
-                self._interval, self._far_load = self.probe_every, 0
+                self._interval, self._backoff_load = self.probe_every, 0
         elif self.last_capacity == 0 and confirm:  # a promising thin pool: probe again before drafting for all
             self.last_capacity, self._probing = None, True
         elif self.last_capacity == 0 and self._skipped >= self._interval:
             self.last_capacity = None  # a probe: draft, verify by Algorithm 1, refresh the history
             self._interval = self._next_interval(ratio, n_requests)
             self._probing = True
-        elif self.last_capacity == 0 and self._far_load and 2 * n_requests <= self._far_load:
-            self._interval, self._far_load = min(self._interval, self.probe_every), 0  # the load fell: look soon
+        elif self.last_capacity == 0 and self._backoff_load and 2 * n_requests <= self._backoff_load:
+            self._interval, self._backoff_load = min(self._interval, self.probe_every), 0  # the load fell: look soon
         self._planned = True
         return self.last_capacity != 0
 
@@ -240,7 +245,8 @@ class AsyncPolicy:
             return self.reprobe_every
         far = ratio < 1.0 - self.far_loss and n_requests > self.probe_requests  # only thin probes, under load
         interval = min(2 * self._interval, self.far_probe_every if far else self.max_probe_every)
-        self._far_load = (self._far_load or n_requests) if interval > self.max_probe_every else 0
+        backed_off = interval > (self.probe_every if self.watch_load else self.max_probe_every)
+        self._backoff_load = (self._backoff_load or n_requests) if backed_off else 0
         return interval
 
     def _thin(self, c_old, n_requests: int) -> bool:
