@@ -33,6 +33,7 @@ import torch
 
 log = logging.getLogger("dspark")
 SOURCE = Path(__file__).with_name("native_linear.c")
+HEADER = Path(__file__).with_name("native_simd.h")  # included by every kernel source
 # Rows up to which a projection uses this kernel before models/kernel_choice.py has measured this machine's
 # crossover with oneDNN's packed product (and for projections it does not measure, e.g. a drafter's): with
 # 2 x 6 tiles the kernel won at 1-16 rows in results/kernels-s20; its predecessor lost from 4 rows in a faster
@@ -53,7 +54,12 @@ def _cpu_signature() -> str:
 @functools.cache
 def source_hash() -> str:
     """Which version of the projection kernel this is: its step prices and crossover are measured per version."""
-    return code_hash(SOURCE.read_bytes())
+    return code_hash(kernel_source(SOURCE))
+
+
+def kernel_source(path: Path) -> bytes:
+    """A kernel's code as it is compiled, the shared header included: what its library and its hashes key on."""
+    return HEADER.read_bytes() + path.read_bytes()
 
 
 _C_COMMENT = re.compile(rb"/\*.*?\*/|//[^\n]*", re.DOTALL)
@@ -72,7 +78,7 @@ def _build(cache_dir: Path, source_path: Path = SOURCE, extra_flags: tuple[str, 
     if cc is None:
         log.info("no C compiler found; using torch's kernels instead of %s", source_path.name)
         return None
-    source = source_path.read_bytes()
+    source = kernel_source(source_path)
     errors = []
     for flags in ([*f, *extra_flags] for f in FLAG_SETS):
         key = hashlib.sha256(source + " ".join([cc, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
@@ -82,7 +88,8 @@ def _build(cache_dir: Path, source_path: Path = SOURCE, extra_flags: tuple[str, 
         cache_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
         os.close(fd)
-        cmd = [cc, *flags, "-shared", "-fPIC", "-o", tmp, str(source_path), "-lm"]
+        # -I: a source compared from elsewhere (an earlier version from git) finds the shared header too
+        cmd = [cc, *flags, "-shared", "-fPIC", "-I", str(HEADER.parent), "-o", tmp, str(source_path), "-lm"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as exc:

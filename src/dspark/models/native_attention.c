@@ -27,25 +27,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
+#include "native_simd.h"
+
 typedef int v8i __attribute__((vector_size(32), aligned(4)));
 typedef unsigned short v8h __attribute__((vector_size(16), aligned(2)));
-typedef unsigned short bf16;
 
 static inline v8 splat(float f) { return (v8){f, f, f, f, f, f, f, f}; }
 
-#ifdef __FMA__
-#include <immintrin.h>
-static inline v8 madd(v8 acc, v8 a, v8 b) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc); }
-#else
-static inline v8 madd(v8 acc, v8 a, v8 b) { return acc + a * b; }
-#endif
-
 #define CHUNK 4 /* queries per task: enough tasks to share a long segment between threads, keys still re-read little */
-
-static inline float hsum(v8 a) {
-  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
 
 /* dst[0..n) = the fp32 values of bf16 src (the bf16 bits are the top half of the fp32 ones). */
 static inline void widen(const bf16 *src, float *dst, long n) {
@@ -55,14 +44,6 @@ static inline void widen(const bf16 *src, float *dst, long n) {
     const unsigned u = (unsigned)src[i] << 16;
     memcpy(dst + i, &u, sizeof u);
   }
-}
-
-/* fp32 -> the nearest bf16, ties to even; NaN stays a (quiet) NaN. */
-static inline bf16 narrow(float f) {
-  unsigned u;
-  memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* A row of `hd` values at element `index` of an fp32 or bf16 array, as fp32: the row itself, or widened into buf. */

@@ -42,7 +42,7 @@ CFLAGS = ("-ffp-contract=off",)
 def source_hash() -> str:
     """Which version of the kernel this is: a speed profile measured with another one is stale (comments and
     layout aside: ``native.code_hash``)."""
-    return native.code_hash(SOURCE.read_bytes())
+    return native.code_hash(native.kernel_source(SOURCE))
 
 
 def segment_table(caches: Sequence, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:

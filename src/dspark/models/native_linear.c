@@ -26,8 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));  /* aligned(4): rows need not be 32-byte aligned */
-typedef unsigned short bf16;
+#include "native_simd.h"
 
 #define ROWS 16 /* W rows per block for a single x row */
 #define MT 2    /* x rows per tile */
@@ -37,13 +36,6 @@ typedef unsigned short bf16;
 #define NT 6    /* W rows per tile: 12 accumulators, two x and one W register of AVX2's 16 */
 #endif
 #define NB 24   /* W rows per parallel work item when tiling (a multiple of NT) */
-
-#ifdef __FMA__
-#include <immintrin.h>
-static inline v8 madd(v8 acc, v8 a, v8 b) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc); }
-#else
-static inline v8 madd(v8 acc, v8 a, v8 b) { return acc + a * b; }
-#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define HAS_BF16 1
@@ -56,25 +48,6 @@ static inline v8 dot2(v8 acc, v8 w, v8 x) { (void)w; (void)x; return acc; } /* n
 
 /* Whether dspark_linear_bf16 may be called: it needs the CPU's bf16 dot products (AVX512-BF16). */
 int dspark_linear_bf16_supported(void) { return HAS_BF16; }
-
-static inline float widen1(bf16 h) {
-  const unsigned u = (unsigned)h << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-/* fp32 -> the nearest bf16, ties to even; NaN stays a (quiet) NaN. */
-static inline bf16 narrow(float f) {
-  unsigned u;
-  memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float hsum(v8 a) {
-  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
 
 /* Elements per step of the k loop: 8 fp32 lanes, or 16 bf16 values (8 pairs) for dot2. */
 #define STEP(bf) ((bf) ? 16L : 8L)

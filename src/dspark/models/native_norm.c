@@ -14,27 +14,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "native_simd.h"
+
 #define PARALLEL_ROWS 64 /* below this the threads cost more than the rows */
-
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-
-static inline float hsum(v8 a) {
-  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
-
-static inline float widen(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t narrow(float f) { /* round to nearest even; NaN stays NaN */
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* 1 / sqrt(mean(x²) + eps) of one fp32 row */
 static float inv_rms(const float *x, long D, float eps) {
@@ -66,8 +48,8 @@ void dspark_rms_norm_bf16(const uint16_t *x, long M, long sx, long D, const uint
 #pragma omp parallel for schedule(static) num_threads(threads) if (M >= PARALLEL_ROWS)
   for (long m = 0; m < M; m++) {
     float row[D]; /* the row widened: a model's width, a few KB of stack */
-    for (long k = 0; k < D; k++) row[k] = widen(x[m * sx + k]);
+    for (long k = 0; k < D; k++) row[k] = widen1(x[m * sx + k]);
     const float inv = inv_rms(row, D, eps);
-    for (long k = 0; k < D; k++) y[m * D + k] = narrow((row[k] * inv) * widen(w[k]));
+    for (long k = 0; k < D; k++) y[m * D + k] = narrow((row[k] * inv) * widen1(w[k]));
   }
 }
