@@ -122,6 +122,27 @@ def test_kept_donors_stay_inside_the_kv_budget_and_the_entry_limit():
     assert again.cached_tokens == 0 and again.output == big[0].output
 
 
+def test_a_donor_that_stopped_early_gives_back_the_room_it_had_reserved():
+    """A request reserved for 300 new tokens that stops after a few is kept holding only the positions it computed
+    (the budget counts those), and lends them unchanged: a prompt extending its conversation gets the output it
+    gets with no donor. One that used its reservation keeps its buffer (no copy for a few spare positions)."""
+    target = tiny_target(seed=4, scale=6.0)
+    engine = _engine(target, tiny_drafter(target, block=4), kv_budget_tokens=2000, prefix_cache_entries=4)
+    first = _run(engine, [SYSTEM + [30, 31]])[0]  # 16 tokens: its reservation was used
+    assert first.reserved == first.cache.capacity == 20 + 2 + 16 + 5 and engine.kv_cached == 43
+    alone = _engine(target, tiny_drafter(target, block=4), prefix_cache_entries=0)
+    stop = _run(alone, [SYSTEM + [40, 41]])[0].output[5]  # its greedy answer's sixth token ends it early
+    early = _run(engine, [SYSTEM + [40, 41]], SamplingParams(temperature=0, max_new_tokens=300,
+                                                             stop_token_ids=(stop,)))[0]
+    assert early.finish_reason == "stop" and len(early.output) <= 6
+    assert early.reserved == early.cache.capacity == early.cache.length < 300
+    assert engine.kv_cached == 43 + early.cache.length and engine.kv_reserved == 0
+    follow = early.prompt + early.output + [7, 8]  # the next turn of its conversation
+    reused = _run(engine, [follow])[0]
+    assert reused.cached_tokens >= len(SYSTEM) + 2  # from the compacted donor: the first shares only SYSTEM
+    assert reused.output == _run(alone, [follow])[0].output
+
+
 def test_seeded_sampling_with_prefix_reuse_is_reproducible_and_equals_recomputing():
     target = tiny_target(seed=4, scale=2.0)
     drafter = tiny_drafter(target, head="markov", block=4)

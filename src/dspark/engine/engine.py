@@ -138,6 +138,7 @@ class Engine:
             self._release(req)
             return
         self.kv_reserved -= req.reserved
+        req.reserved = req.cache.compact()  # a donor holds what it computed, not what it had reserved
         self.requests.pop(req.request_id, None)
         for old in self.prefixes.keep(req):
             self._forget(old)

@@ -45,6 +45,19 @@ class KVCache:
         v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v = k, v
 
+    def compact(self) -> int:
+        """Give back the room past ``length`` when it is most of the buffer; returns the capacity left. A finished
+        request kept as a prefix donor only ever lends the positions it computed, and its reservation was sized for
+        ``max_new_tokens`` that an early stop left unused (2,048 reserved for a 40-token answer). The copy is skipped
+        while the room is small: a donor is made at every finish, and copying a whole cache there for a few spare
+        positions would cost serving more than it frees."""
+        keep = max(self.length, 1)
+        if self.capacity - keep > max(keep, 64):
+            # clone, not a slice: a view would keep the whole buffer alive
+            self.k = self.k[:, :, :keep].clone(memory_format=torch.contiguous_format)
+            self.v = self.v[:, :, :keep].clone(memory_format=torch.contiguous_format)
+        return self.capacity
+
     def clone(self) -> KVCache:
         """An independent copy: same contents, length and capacity."""
         other = copy.copy(self)
