@@ -149,11 +149,11 @@ def test_engine_output_distribution_through_the_in_place_verification():
 
 def test_engine_reports_verify_steps_to_a_live_priced_policy_but_not_prefill():
     """What scheduling/live_profile.py corrects the profile with: (B, R) of each forward that had no prefill in it,
-    its time, and the proposal's requests, depth and time."""
+    its time and its commit's, and the proposal's requests, depth and time, with its feeding's apart."""
     base, seen = make_policy("fixed-2"), []
     spy = type("Spy", (), {"prepare": lambda self, r: base.prepare(r), "draft_depth": lambda self, g: base.draft_depth(g),
                            "select": lambda self, c=None, **kw: base.select(c, **kw),
-                           "observes_steps": True, "observe_step": lambda self, *a: seen.append(a)})()
+                           "observes_steps": True, "observe_step": lambda self, *a, **kw: seen.append((*a, kw))})()
     engine = Engine(tiny_target(), None, ConfidentDrafter(), spy, (), EngineConfig(gamma=GAMMA, max_running=2,
                                                                                     prefill_chunk=2))
     reqs = [engine.add_request(p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for p in ([3, 4, 5], [6, 2])]
@@ -163,9 +163,10 @@ def test_engine_reports_verify_steps_to_a_live_priced_policy_but_not_prefill():
         plans.append(engine.last_plan)
     reported = [p for p in plans if p.decoding and not p.prefilling]
     assert len(seen) == len(reported) > 0 and any(p.prefilling and p.decoding for p in plans)
-    for (n_tokens, n_requests, forward_s, drafted, depth, draft_s), plan in zip(seen, reported):
+    for (n_tokens, n_requests, forward_s, drafted, depth, draft_s, kw), plan in zip(seen, reported):
         assert (n_tokens, n_requests, drafted, depth) == (plan.verified_tokens, len(plan.decoding), n_requests, 2)
-        assert forward_s > 0 and draft_s > 0
+        assert forward_s > 0 and draft_s > 0 and kw["commit_s"] > 0  # the commit's time is reported apart
+        assert kw["feed_s"] == plan.propose_seconds - plan.draft_call_seconds >= 0
     assert all(len(r.output) == 6 for r in reqs)
 
 

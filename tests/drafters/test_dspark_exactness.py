@@ -409,7 +409,7 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
     policy.prepare, policy.select = spy, select_spy
     if policy.live is not None:  # a machine on which verify steps run at half their cached price, every time
         observe, base = policy.observe_step, policy.live.base
-        policy.observe_step = lambda b, r, _s, drafted, depth, _d: observe(
+        policy.observe_step = lambda b, r, _s, drafted, depth, _d, **_: observe(
             b, r, base.step_s(b, n_requests=r) * (0.5 if b > r else 1.0), drafted, depth,
             base.draft_s(drafted, depth) if drafted else 0.0)
     engine = Engine(target, None, drafter, policy, (), EngineConfig(gamma=drafter.gamma, max_running=max_running,

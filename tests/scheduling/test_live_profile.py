@@ -138,3 +138,20 @@ def test_async_reprices_k_from_live_step_times():
     # The best K is the same (all verify steps got cheaper alike) but it now beats plain decoding by far more:
     # Θ_K / Θ_0 is what the policy's go / no-go margins compare.
     assert cheap._memo[2] > 1.8 * fixed._memo[2] > 1.8
+
+
+def test_live_prices_count_the_commit_and_the_feed_unless_told_not_to():
+    """With live_overhead (the default) a step's commit adds to its forward's time and the feed to its proposal's;
+    without it they are left out, as before session 43."""
+    def factors(**kw):
+        policy = make_policy("async:live=1", sps=GRID, **kw)
+        for _ in range(6):  # min_samples
+            policy.observe_step(2, 2, GRID.step_s(2, n_requests=2), commit_s=GRID.step_s(2, n_requests=2))
+            policy.observe_step(6, 2, GRID.step_s(6, n_requests=2), 2, 3, GRID.draft_s(2, 3),
+                                commit_s=GRID.step_s(6, n_requests=2), feed_s=GRID.draft_s(2, 3))
+        return [policy.live.factor(c) for c in ("plain", "verify", "draft")]
+
+    assert factors() == pytest.approx([2.0, 2.0, 2.0])
+    assert factors(live_overhead=0) == pytest.approx([1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="live_overhead"):
+        make_policy("async:live=1:live_overhead=2", sps=GRID)

@@ -221,10 +221,10 @@ class Engine:
             self.running = [r for r in self.running if not r.finished]
             return outputs
         forward_s = time.perf_counter() - t_forward
-        self._report_step(plan, forward_s)
         self._observed: list[tuple[Request, int, int]] = []
         outputs += self._commit_decoding(plan, out)
         outputs += self._commit_prefill(plan, out)
+        self._report_step(plan, forward_s, time.perf_counter() - t_forward - forward_s)
         t_observe = time.perf_counter()
         self._feed_drafter(out, outputs)
         drafter_s = plan.propose_seconds + time.perf_counter() - t_observe
@@ -233,13 +233,15 @@ class Engine:
         self.stats.record_step(time.perf_counter() - t0, len(plan.decoding), verified, forward_s, drafter_s)
         return outputs
 
-    def _report_step(self, plan: StepPlan, forward_s: float) -> None:
-        """Tell a policy that prices steps live (AsyncPolicy with ``live``) what this one cost; a forward with
-        prefill in it is not a step the speed profile prices."""
+    def _report_step(self, plan: StepPlan, forward_s: float, commit_s: float) -> None:
+        """Tell a policy that prices steps live (AsyncPolicy with ``live``) what this one cost: the forward, its
+        commit (sampling, verification, emitting) and the proposal, with the feeding of deferred target states
+        apart. A forward with prefill in it is not a step the speed profile prices."""
         if not getattr(self.policy, "observes_steps", False) or plan.prefilling or not plan.decoding:
             return  # the common case costs no bookkeeping
         self.policy.observe_step(plan.verified_tokens, len(plan.decoding), forward_s, plan.drafted_requests,
-                                 plan.draft_depth, plan.draft_call_seconds)
+                                 plan.draft_depth, plan.draft_call_seconds, commit_s=commit_s,
+                                 feed_s=plan.propose_seconds - plan.draft_call_seconds)
 
     def _reap_aborted(self) -> list[RequestOutput]:
         outs = []

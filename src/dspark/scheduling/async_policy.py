@@ -46,7 +46,8 @@ class AsyncPolicy:
       could pay), ``online_calibration`` (policy ``async-online``: confidences scaled by accepted / predicted so
       far, ``acceptance_tracker.py``), ``confirm`` and ``steady_run`` (thin pools and false starts under load),
       ``far_loss`` / ``far_probe_every`` (probes back off further where drafting is far from paying), ``live``
-      (prices follow the measured step times, ``live_profile.py``).
+      (prices follow the measured step times, ``live_profile.py``; with ``live_overhead``, on by default, a
+      forward's time includes its commit and drafting's the feed of deferred states).
     - ``watch_load`` (on): once the batch holds at most half the requests it held when the probes began backing
       off, the next probe comes after ``probe_every`` skipped steps (off: only past ``max_probe_every``).
     """
@@ -62,7 +63,7 @@ class AsyncPolicy:
                  early_stop: bool = False, lean_depth: bool = False, live: bool = False, steady_run: int = 1,
                  confirm: bool = False, far_loss: float = 0.1, far_probe_every: int | None = None,
                  price_context: bool = True, spread_depth: bool = True, joint_requests: int = 2,
-                 explore_every: int = 8, watch_load: bool = True):
+                 explore_every: int = 8, watch_load: bool = True, live_overhead: bool = True):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -124,6 +125,9 @@ class AsyncPolicy:
             raise ValueError(f"explore_every must be >= 1, got {explore_every}")
         self.joint_requests, self.explore_every = int(joint_requests), explore_every
         self.live = LiveProfile(sps) if live else None  # kept across reset(): it describes the machine
+        if live_overhead not in (0, 1):
+            raise ValueError(f"live_overhead must be a bool (0 or 1), got {live_overhead!r}")
+        self.live_overhead = bool(live_overhead)
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
         self.reset()
@@ -319,11 +323,14 @@ class AsyncPolicy:
         return self.live is not None
 
     def observe_step(self, n_tokens: int, n_requests: int, forward_s: float, drafted: int = 0, depth: int = 0,
-                     draft_s: float = 0.0) -> None:
+                     draft_s: float = 0.0, commit_s: float = 0.0, feed_s: float = 0.0) -> None:
         """After a target forward with no prefill in it: ``n_requests`` requests verified ``n_tokens`` tokens in
-        ``forward_s``; the step's proposal (if ``drafted`` > 0 requests) drafted ``depth`` slots in ``draft_s``."""
+        ``forward_s`` and committed them in ``commit_s``; the step's proposal (if ``drafted`` > 0 requests) drafted
+        ``depth`` slots in ``draft_s``, after feeding the drafter its deferred target states in ``feed_s``."""
         if self.live is None:
             return
+        if self.live_overhead:  # the engine's own work is part of what a step costs
+            forward_s, draft_s = forward_s + commit_s, draft_s + feed_s
         self.live.observe_forward(n_tokens, n_requests, forward_s, self._context if self.prices_context else 0)
         if drafted:
             self.live.observe_draft(drafted, depth, draft_s)
