@@ -18,6 +18,7 @@ from ..models.transformer import Segment, Transformer
 from ..scheduling.profile import ProfileKey, SpeedProfile, current_machine
 from ..scheduling.profile_measure import measure_profile
 from ..scheduling.profile_io import load_or_measure
+from .overhead import calibrated
 
 PROFILE_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROFILE_REQUESTS = (1, 2, 4, 8, 16, 32)  # drafting cost: one propose() for R requests
@@ -225,12 +226,13 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
             if longest and longest + chunk + 8 <= model.config.max_position:
                 # the next chunk of a long prompt, after LONG_CONTEXT tokens of it
                 extra.update(prefill_context_fn=prefill_at_fn(model, longest), prefill_context_at=(chunk, longest))
-        return measure_profile(target_step_fn(model, caches=caches), PROFILE_TOKENS, repeats=repeats, key=key,
+        measured = measure_profile(target_step_fn(model, caches=caches), PROFILE_TOKENS, repeats=repeats, key=key,
                                one_segment_fn=target_step_fn(model, one_segment=True, caches=caches),
                                tokens_per_segment=TOKENS_PER_REQUEST, grid_fn=grid_step_fn(model, caches),
                                grid_requests=PROFILE_REQUESTS, grid_tokens=GRID_TOKENS,
                                min_job_seconds=MIN_JOB_SECONDS, shuffle_seed=0, table_cell=table_cell,
                                reference_every=REFERENCE_EVERY, **extra)
+        return calibrated(model, drafter, measured)  # the engine's own work priced in (engine/overhead.py)
 
     path = profile_path(key)
     if force and path.exists():
