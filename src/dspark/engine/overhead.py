@@ -24,6 +24,7 @@ from ..decoding import SamplingParams
 from ..scheduling.live_profile import LiveProfile, rescaled
 from ..scheduling.policy_objects import FixedPolicy
 from ..scheduling.profile import SpeedProfile
+from .engine import Engine, EngineConfig
 
 log = logging.getLogger("dspark")
 REQUESTS = 2  # a load where drafting is worth pricing right on every machine seen so far
@@ -62,13 +63,12 @@ class _Timed:
 
 def engine_factors(model, drafter, profile: SpeedProfile, seed: int = 0) -> dict[str, float]:
     """Measured / profiled time of plain steps, verify steps and proposals in the engine (see the module)."""
-    from .engine import Engine, EngineConfig  # the engine imports this package's profiling at start-up
-
-    live = LiveProfile(profile, window=DEPTHS.count(0) * STEPS + 2 * STEPS, min_samples=4, max_age=10 ** 6)
+    live = LiveProfile(profile, window=len(DEPTHS) * STEPS, min_samples=4, max_age=10 ** 6)  # every sample counts
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=1.0, max_new_tokens=STEPS * max(DEPTHS) + STEPS, ignore_eos=True, seed=seed)
     for k in DEPTHS:
-        engine = Engine(model, None, drafter if k else None, _Timed(k, live), (),
+        # the drafter rides along on plain steps too, as on the async scheduler's skipped ones (its states deferred)
+        engine = Engine(model, None, drafter, _Timed(k, live), (),
                         EngineConfig(gamma=drafter.gamma, max_running=REQUESTS, prefix_cache_entries=0))
         prompts = torch.randint(0, model.config.vocab_size, (REQUESTS, PROMPT), generator=g).tolist()
         for p in prompts:
