@@ -56,16 +56,15 @@ class _Timed:
 
     def observe_step(self, n_tokens: int, n_requests: int, forward_s: float, drafted: int = 0, depth: int = 0,
                      draft_s: float = 0.0, commit_s: float = 0.0, feed_s: float = 0.0) -> None:
-        self.live.observe_forward(n_tokens, n_requests, forward_s + commit_s, self.context)
-        if drafted:
-            self.live.observe_draft(drafted, depth, draft_s + feed_s)
+        self.live.observe_step(n_tokens, n_requests, forward_s, self.context, drafted, depth, draft_s, commit_s,
+                               feed_s)
 
 
 def engine_factors(model, drafter, profile: SpeedProfile, seed: int = 0) -> dict[str, float]:
     """Measured / profiled time of plain steps, verify steps and proposals in the engine (see the module)."""
     live = LiveProfile(profile, window=len(DEPTHS) * STEPS, min_samples=4, max_age=10 ** 6)  # every sample counts
     g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=1.0, max_new_tokens=STEPS * max(DEPTHS) + STEPS, ignore_eos=True, seed=seed)
+    params = SamplingParams(temperature=1.0, max_new_tokens=STEPS * (max(DEPTHS) + 1), ignore_eos=True, seed=seed)
     for k in DEPTHS:
         # the drafter rides along on plain steps too, as on the async scheduler's skipped ones (its states deferred)
         engine = Engine(model, None, drafter, _Timed(k, live), (),

@@ -327,13 +327,9 @@ class AsyncPolicy:
         """After a target forward with no prefill in it: ``n_requests`` requests verified ``n_tokens`` tokens in
         ``forward_s`` and committed them in ``commit_s``; the step's proposal (if ``drafted`` > 0 requests) drafted
         ``depth`` slots in ``draft_s``, after feeding the drafter its deferred target states in ``feed_s``."""
-        if self.live is None:
-            return
-        if self.live_overhead:  # the engine's own work is part of what a step costs
-            forward_s, draft_s = forward_s + commit_s, draft_s + feed_s
-        self.live.observe_forward(n_tokens, n_requests, forward_s, self._context if self.prices_context else 0)
-        if drafted:
-            self.live.observe_draft(drafted, depth, draft_s)
+        if self.live is not None:
+            self.live.observe_step(n_tokens, n_requests, forward_s, self._context if self.prices_context else 0,
+                                   drafted, depth, draft_s, commit_s, feed_s, overhead=self.live_overhead)
 
     def observe_outcomes(self, c, lengths, accepted) -> None:
         """After verification: the step's unadjusted confidences [R, γ], verified lengths [R], accepted [R]."""

@@ -122,6 +122,18 @@ class LiveProfile:
                             lambda b, r, ctx: self.base.at_context(ctx).step_s(b, r))
         self._add("plain" if n_tokens == n_requests else "verify", seconds, predicted)
 
+    def observe_step(self, n_tokens: int, n_requests: int, forward_s: float, context: float = 0, drafted: int = 0,
+                     depth: int = 0, draft_s: float = 0.0, commit_s: float = 0.0, feed_s: float = 0.0,
+                     overhead: bool = True) -> None:
+        """One engine step with no prefill in it, as the engine reports it (``AsyncPolicy.observe_step``): with
+        ``overhead`` the forward is priced with its commit and the proposal (if ``drafted`` > 0 requests) with the
+        feed of the states the drafter had not seen, since the engine's own work is part of what a step costs."""
+        if overhead:
+            forward_s, draft_s = forward_s + commit_s, draft_s + feed_s
+        self.observe_forward(n_tokens, n_requests, forward_s, context)
+        if drafted:
+            self.observe_draft(drafted, depth, draft_s)
+
     def observe_draft(self, n_requests: int, depth: int, seconds: float) -> None:
         """One proposal of ``depth`` slots for ``n_requests`` requests that took ``seconds``."""
         if not self.base.draft_requests:
