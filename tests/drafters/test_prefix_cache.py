@@ -141,6 +141,9 @@ def test_a_donor_that_stopped_early_gives_back_the_room_it_had_reserved():
     reused = _run(engine, [follow])[0]
     assert reused.cached_tokens >= len(SYSTEM) + 2  # from the compacted donor: the first shares only SYSTEM
     assert reused.output == _run(alone, [follow])[0].output
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=16, seed=7, ignore_eos=True)  # sampled: the same draws
+    again = _run(engine, [follow], seeded)[0]
+    assert again.cached_tokens >= len(SYSTEM) + 2 and again.output == _run(alone, [follow], seeded)[0].output
 
 
 def test_seeded_sampling_with_prefix_reuse_is_reproducible_and_equals_recomputing():
