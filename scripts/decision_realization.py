@@ -32,7 +32,10 @@ def pool_prediction(policy, n_requests: int, gamma: int) -> float | None:
             return None
         if c.shape[1] < depth:
             continue
-        s = depth_survivals(c)[depth - 1]  # [R·depth] descending survivals truncated to the depth
+        by_depth = depth_survivals(c)
+        if getattr(policy, "_long", None) is not None:  # shrink < 1: what the policy priced is the shrunk pool
+            by_depth = policy._long.shrunk(by_depth, policy.shrink)
+        s = by_depth[depth - 1]  # [R·depth] descending survivals truncated to the depth
         sums.append(float(s[:k].sum()))
     return float(np.mean(sums)) if sums else None
 

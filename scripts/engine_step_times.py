@@ -109,6 +109,18 @@ def confidence_check(loop: ClosedLoop, seconds: float) -> None:
         if reached.sum():
             print(f"slot {j + 1}: reached {reached.sum():5d}  acceptance {np.mean(a[reached] > j):.3f}  "
                   f"mean confidence {c[reached, j].mean():.3f}")
+    # what pricing multiplies: the survival to each depth (product of the slots' confidences) against the share
+    # of rounds that accepted at least that many drafts, over all rounds (each verified every slot)
+    print("depth: predicted survival (mean product)  accepted at least that deep")
+    for j in range(c.shape[1]):
+        print(f"  {j + 1}: {surv[:, j].mean():.4f}  {np.mean(a > j):.4f}")
+    # reliability of the survival to depth 1 and 2 by quintile of its prediction (over-confidence at the top makes
+    # the rows that look best the ones most over-priced)
+    for j in (0, 1):
+        edges = np.quantile(surv[:, j], [0.2, 0.4, 0.6, 0.8])
+        bins = np.searchsorted(edges, surv[:, j])
+        cells = [f"{surv[bins == b, j].mean():.3f}->{np.mean(a[bins == b] > j):.3f}" for b in range(5)]
+        print(f"survival to depth {j + 1} by quintile, predicted->accepted: " + "  ".join(cells))
 
 
 def async_decisions(loop: ClosedLoop, seconds: float) -> None:
@@ -175,7 +187,7 @@ def profile_engine(loop: ClosedLoop, seconds: float) -> None:
     prof.disable()
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(15)
-    stats.sort_stats("cumulative").print_stats("_commit_decoding|verify_requests|plan_step|_feed_drafter")
+    stats.sort_stats("cumulative").print_stats("_commit_decoding|verify_requests|plan_step|_feed_drafter|propose|prepare|_price|select|capacity|survivals|flush")
     stats.print_callees("_commit_decoding|verify_requests|_sampled_rows")  # where the time outside the model goes
 
 

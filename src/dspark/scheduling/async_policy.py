@@ -8,6 +8,7 @@ import numpy as np
 
 from .acceptance_tracker import AcceptanceTracker
 from .live_profile import LiveProfile
+from .long_run import LongRunSurvivals
 from .depth_pricing import capacity_and_depth, depth_survivals
 from .policies import (SPS, capacity_from_survivals, could_grow, draft_depth_for, rounded_context, step_survivals,
                        sync_prefix_schedule, top_k_lengths)
@@ -42,6 +43,9 @@ class AsyncPolicy:
       (``depth_pricing.capacity_and_depth``); every 8th drafting step drafts one slot more, so deeper depths
       keep a price.
     - ``price_context`` (on): steps are priced at the running requests' mean context.
+    - ``shrink`` (1: off), ``long_steps`` (256): at R <= ``joint_requests`` each pooled step's survivals are moved
+      toward their mean over the last ``long_steps`` drafted steps, mean + shrink · (pool - mean)
+      (``long_run.py``): at one request a pool of eight steps predicts the next one little.
     - Off by default: ``early_stop`` (Algorithm 1 capped at K), ``lean_depth`` (no extra slot unless K + 1
       could pay), ``online_calibration`` (policy ``async-online``: confidences scaled by accepted / predicted so
       far, ``acceptance_tracker.py``), ``confirm`` and ``steady_run`` (thin pools and false starts under load),
@@ -63,7 +67,8 @@ class AsyncPolicy:
                  early_stop: bool = False, lean_depth: bool = False, live: bool = False, steady_run: int = 1,
                  confirm: bool = False, far_loss: float = 0.1, far_probe_every: int | None = None,
                  price_context: bool = True, spread_depth: bool = True, joint_requests: int = 2,
-                 explore_every: int = 8, watch_load: bool = True, live_overhead: bool = True):
+                 explore_every: int = 8, watch_load: bool = True, live_overhead: bool = True,
+                 shrink: float = 1.0, long_steps: int = 256):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -124,6 +129,12 @@ class AsyncPolicy:
         if explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {explore_every}")
         self.joint_requests, self.explore_every = int(joint_requests), explore_every
+        if not 0.0 <= shrink <= 1.0:
+            raise ValueError(f"shrink must lie in [0, 1] (1: the pools as they are), got {shrink}")
+        if long_steps < 1:
+            raise ValueError(f"long_steps must be >= 1, got {long_steps}")
+        self.shrink = float(shrink)
+        self._long = LongRunSurvivals(int(long_steps), lag) if shrink < 1.0 else None
         self.live = LiveProfile(sps) if live else None  # kept across reset(): it describes the machine
         if live_overhead not in (0, 1):
             raise ValueError(f"live_overhead must be a bool (0 or 1), got {live_overhead!r}")
@@ -167,6 +178,8 @@ class AsyncPolicy:
         self.last_ratio: float | None = None  # Θ_K / Θ_0 of the best K its pool priced (None: no pool)
         if self.tracker is not None:
             self.tracker.reset()
+        if self._long is not None:
+            self._long.reset()
 
     def _old_confidences(self) -> tuple[tuple[int, ...], list[tuple[np.ndarray, np.ndarray]]]:
         """(steps, (confidences, sorted survivals)) of the newest steps at least ``lag`` steps before the current
@@ -190,13 +203,16 @@ class AsyncPolicy:
         """Fix K for the coming step (before drafting); returns whether the drafter should run. ``context``: the
         running requests' mean context in tokens (known before drafting, so it keeps K lossless)."""
         self._context = rounded_context(context)
+        if self._long is not None:
+            self._long.advance(self._step)
         pool_steps, c_old = self._old_confidences()
         ratio, confirm = 1.0, False
         if not c_old:
             self.last_capacity, self.last_ratio = None, None
         else:
             key = (pool_steps, n_requests, None if self.tracker is None else self.tracker.ratio,
-                   None if self.live is None else self.live.rebuilds, self._context)
+                   None if self.live is None else self.live.rebuilds, self._context,
+                   None if self._long is None else self._long.folded)
             if key != self._memo[0]:  # while the drafter is skipped nothing changes: K is reused, not recomputed
                 self._memo = (key, *self._price(c_old, n_requests))
             _, best, ratio, self._grow, self._spread, self._depth = self._memo
@@ -233,6 +249,8 @@ class AsyncPolicy:
         if n_requests <= self.joint_requests:
             by_depth = [depth_survivals(adjust(c)) if adjust else d if d is not None else depth_survivals(c)
                         for c, _, d in c_old]
+            if self._long is not None:
+                by_depth = [self._long.shrunk(d, self.shrink) for d in by_depth]
             best, depth, ratio = capacity_and_depth(by_depth, [c.shape[0] for c, _, _ in c_old], self.sps, n_requests)
             return best, ratio, True, None, depth
         shapes = [c.shape for c, _, _ in c_old]
@@ -308,6 +326,8 @@ class AsyncPolicy:
         by_depth = depth_survivals(kept) if kept.shape[0] <= self.joint_requests else None
         # its deepest row is the step's survivals, all R·d of them sorted (step_survivals): not sorted twice
         self._history.append((step, kept, step_survivals(kept) if by_depth is None else by_depth[-1], by_depth))
+        if self._long is not None and by_depth is not None:
+            self._long.add(step, by_depth)
         if self.tracker is not None:
             c = self.tracker.adjust(c)
         if self.last_capacity is None:
