@@ -297,7 +297,8 @@ RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0
                                                   probe_requests=1, min_gain=0.5, max_age=4),
          "priced at the context": dict(min_gain=0.0, max_age=4),
          "depth capped by the spread of K": dict(spread_depth=1, min_gain=0.0, max_age=4),
-         "depth priced with K": dict(joint_requests=3, explore_every=2, min_gain=0.0, max_age=4)}
+         "depth priced with K": dict(joint_requests=3, explore_every=2, min_gain=0.0, max_age=4),
+         "pools shrunk toward the long-run mean": dict(shrink=0.0, long_steps=64, min_gain=0.0, max_age=4)}
 # Requests each test runs at once where a rule needs load: these rules fire only while a probe (of one request)
 # drafts part of the batch, and the far back-off's load must then halve; at T = 1 requests live three steps.
 RUNNING = {"greedy": {"confirmed thin pool": 3, "far back-off": 2, "probes soon once the load halves": 2,
@@ -349,7 +350,8 @@ PRICED_BY = {"early stop below K": (_verify_priced_profile, False), "no extra sl
              "confirmed thin pool": (_depth_priced_profile, False), "far back-off": (_dear_draft_profile, False),
              "probes soon once the load halves": (_dear_draft_profile, False),
              "priced at the context": (_context_priced_profile, False),
-             "depth capped by the spread of K": (_verify_priced_profile, False)}
+             "depth capped by the spread of K": (_verify_priced_profile, False),
+             "pools shrunk toward the long-run mean": (_depth_priced_profile, False)}
 
 
 # rules that fire where every request's drafts look alike (K shared evenly), as a random head's do
@@ -380,6 +382,9 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
         if policy.live is not None and policy.live.rebuilds and policy.last_capacity is not None:
             if _capacity_priced_by(policy, policy.live.base, n_requests) != policy._memo[1]:
                 seen.add("live step prices")  # the measured times changed K
+        if policy._long is not None and policy._long.folded and policy.last_capacity is not None:
+            if _unshrunk_capacity(policy, n_requests) != policy._memo[1]:
+                seen.add("pools shrunk toward the long-run mean")  # the mean of older steps changed K
         if policy._context and policy.last_capacity is not None:
             if _capacity_priced_by(policy, policy._sps, n_requests) != policy._memo[1]:
                 seen.add("priced at the context")  # the requests' context changed K
@@ -423,6 +428,15 @@ def _capacity_priced_by(policy, profile, n_requests: int) -> int:
 
     _, pool = policy._old_confidences()
     return capacity_from_survivals([a for _, a, _ in pool], [c.shape for c, _, _ in pool], profile, n_requests)[0]
+
+
+def _unshrunk_capacity(policy, n_requests: int) -> int:
+    """The K the policy's pool gets priced jointly with the depth as it is, not shrunk."""
+    from dspark.scheduling.depth_pricing import capacity_and_depth, depth_survivals
+
+    _, pool = policy._old_confidences()
+    by_depth = [d if d is not None else depth_survivals(c) for c, _, d in pool]
+    return capacity_and_depth(by_depth, [c.shape[0] for c, _, _ in pool], policy.sps, n_requests)[0]
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))

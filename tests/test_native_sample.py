@@ -1,0 +1,74 @@
+"""The C two-level draw (decoding/native_sample.c) against the full fp64 CDF search and torch's two-level path:
+the same tokens on awkward rows, never a token of zero mass, and a row's token whatever shares its call."""
+import pytest
+import torch
+
+from dspark.decoding import native_sample
+from dspark.decoding.sampling import CDF_BLOCK, SamplingParams, _sample_by_blocks, sample_from, to_probs
+
+pytestmark = pytest.mark.skipif(native_sample.kernel() is None,
+                                reason="the sampling kernel did not build here (no C compiler or DSPARK_NATIVE=0)")
+
+
+def full_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    cdf = probs.double().cumsum(-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+
+
+def awkward_rows(rows: int = 64, vocab: int = 64 * CDF_BLOCK, seed: int = 0):
+    """Spread, top-p-truncated (mostly zeros) and one-token rows (the mass on a block's last token), with
+    uniforms next to 1 on every fourth row."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(rows, vocab, generator=g) * 4, -1)
+    probs[rows // 2:] = to_probs(torch.log(probs[rows // 2:]), SamplingParams(top_p=0.8))
+    probs[-4:] = 0.0
+    probs[-4:, 3 * CDF_BLOCK - 1] = 1.0
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    u[::4] = 1.0 - 2 ** -53
+    return probs, u
+
+
+def test_kernel_draws_the_full_cdf_and_torch_tokens_on_awkward_rows():
+    probs, u = awkward_rows()
+    got = native_sample.sample_blocks(probs, u)
+    assert torch.equal(got, full_cdf(probs, u)) and torch.equal(got, _sample_by_blocks(probs, u))
+    assert bool((probs.gather(-1, got.unsqueeze(-1)) > 0).all())
+
+
+def test_kernel_agrees_with_torch_over_many_real_width_draws():
+    g = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(2000, 192 * CDF_BLOCK, generator=g) * 3, -1)  # SmolLM2's 49,152 tokens
+    u = torch.rand(2000, generator=g, dtype=torch.float64)
+    assert torch.equal(native_sample.sample_blocks(probs, u), _sample_by_blocks(probs, u))
+
+
+def test_kernel_never_draws_a_token_of_zero_mass():
+    probs, _ = awkward_rows()
+    row = probs[40:41].expand(20_000, -1).contiguous()  # top-p truncated: most tokens have no mass
+    u = torch.rand(20_000, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    assert bool((probs[40, native_sample.sample_blocks(row, u)] > 0).all())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_token_does_not_depend_on_its_call(threads):
+    probs, u = awkward_rows(rows=24)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = native_sample.sample_blocks(probs, u)
+        alone = torch.cat([native_sample.sample_blocks(probs[i:i + 1], u[i:i + 1]) for i in range(24)])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(batch, alone)
+
+
+def test_sample_from_takes_the_kernel_only_where_it_applies(monkeypatch):
+    probs, u = awkward_rows(rows=8)
+    calls = []
+    monkeypatch.setattr(native_sample, "sample_blocks", lambda p, v: calls.append(p.shape) or _sample_by_blocks(p, v))
+    assert torch.equal(sample_from(probs, u), full_cdf(probs, u)) and calls == [probs.shape]
+    assert not native_sample.usable(probs.double()) and not native_sample.usable(probs[:, :-1])  # fp64, part block
+    assert not native_sample.usable(probs.t().contiguous().t())  # rows not contiguous
+    small = torch.softmax(torch.randn(3, 1000), -1)  # under 16 blocks: one fp64 cumsum, no kernel
+    sample_from(small, torch.rand(3, dtype=torch.float64))
+    assert calls == [probs.shape]
