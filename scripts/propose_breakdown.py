@@ -55,9 +55,10 @@ def main() -> None:
     ap.add_argument("--depths", default="1,3,7")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--dtype", default="float32", help="the target's dtype (bench serve's --dtype)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    model = load_model(args.model, dtype="float32").model
+    model = load_model(args.model, dtype=args.dtype).model
     drafter = make_drafter(args.drafter, target=model, gamma=7)
     if not hasattr(drafter, "model") or not hasattr(drafter.model, "draft_states"):
         raise SystemExit(f"{args.drafter}: not a DSpark-family drafter, nothing to break down")
