@@ -45,7 +45,8 @@ class AsyncPolicy:
     - ``price_context`` (on): steps are priced at the running requests' mean context.
     - ``shrink`` (1: off), ``long_steps`` (256): at R <= ``joint_requests`` each pooled step's survivals are moved
       toward their mean over the last ``long_steps`` drafted steps, mean + shrink · (pool - mean)
-      (``long_run.py``): at one request a pool of eight steps predicts the next one little.
+      (``long_run.py``): at one request a pool of eight steps predicts the next one little (no throughput gain
+      measured, so off).
     - Off by default: ``early_stop`` (Algorithm 1 capped at K), ``lean_depth`` (no extra slot unless K + 1
       could pay), ``online_calibration`` (policy ``async-online``: confidences scaled by accepted / predicted so
       far, ``acceptance_tracker.py``), ``confirm`` and ``steady_run`` (thin pools and false starts under load),
