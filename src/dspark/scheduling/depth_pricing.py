@@ -28,16 +28,30 @@ SMALL = 32  # values per step (R·d) or per depth's candidates (R·deepest) up t
 def depth_survivals(c: np.ndarray) -> np.ndarray:
     """One step's validated confidences [R, d] -> [d, R·d]: row i holds the descending survivals of its first i + 1
     slots (``step_survivals`` of c[:, :i + 1]), zero-padded: what pricing a shallower draft needs of the step."""
-    a = np.cumprod(c, axis=1)
-    if a.shape[0] == 1:  # one request: its survivals already descend along the row
-        return np.tril(np.broadcast_to(a[0], (a.size, a.size)))
-    if a.size <= SMALL:
-        rows, width = a.tolist(), a.size
+    if 0 < c.size <= SMALL:  # in plain Python (see SMALL); the running products are numpy's cumprod, bit for bit
+        rows, width, depths = _running_products(c.tolist()), c.size, c.shape[1]
+        if len(rows) == 1:  # one request: its survivals already descend along the row
+            return np.array([rows[0][:depth] + [0.0] * (width - depth) for depth in range(1, depths + 1)])
         return np.array([sorted((x for row in rows for x in row[:depth]), reverse=True)
-                         + [0.0] * (width - len(rows) * depth) for depth in range(1, a.shape[1] + 1)])
+                         + [0.0] * (width - len(rows) * depth) for depth in range(1, depths + 1)])
+    a = np.cumprod(c, axis=1)
+    if a.shape[0] == 1:
+        return np.tril(np.broadcast_to(a[0], (a.size, a.size)))
     out = np.zeros((a.shape[1], a.size))
     for depth in range(1, a.shape[1] + 1):
         out[depth - 1, :a.shape[0] * depth] = -np.sort(-a[:, :depth].ravel())
+    return out
+
+
+def _running_products(rows: list[list[float]]) -> list[list[float]]:
+    """Each row's running product, multiplied left to right as ``np.cumprod`` does (so the same floats)."""
+    out = []
+    for row in rows:
+        acc, run = 1.0, []
+        for x in row:
+            acc *= x
+            run.append(acc)
+        out.append(run)
     return out
 
 
