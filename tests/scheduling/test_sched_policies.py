@@ -19,7 +19,7 @@ from dspark.scheduling import (
     sync_prefix_schedule,
     sync_prefix_schedule_unsafe_no_early_stop,
 )
-from dspark.scheduling.policies import top_k_lengths
+from dspark.scheduling.policies import as_confidences, top_k_lengths
 
 
 def table_sps(table):
@@ -842,3 +842,25 @@ def test_joint_pricing_pools_steps_of_a_larger_batch_when_the_load_falls():
     _, pool = pol._old_confidences()
     want = capacity_and_depth([depth_survivals(c) for c, _, _ in pool], [c.shape[0] for c, _, _ in pool], FLAT, 2)
     assert pol.prepare(2) and (pol.last_capacity, pol._depth, pol.last_ratio) == want
+
+
+def test_depth_survivals_in_plain_python_equal_numpys_bit_for_bit():
+    """Steps of up to 32 values are handled in plain Python (cold numpy calls cost the policy ~100 µs a step);
+    the running products and the sorted rows must be numpy's exactly, or K could differ between the paths."""
+    from dspark.scheduling.depth_pricing import depth_survivals
+
+    def numpy_path(c):
+        a = np.cumprod(c, axis=1)
+        out = np.zeros((a.shape[1], a.size))
+        for depth in range(1, a.shape[1] + 1):
+            out[depth - 1, :a.shape[0] * depth] = -np.sort(-a[:, :depth].ravel())
+        return out
+
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        c = rng.uniform(0, 1, (int(rng.integers(1, 5)), int(rng.integers(1, 8))))
+        c[rng.random(c.shape) < 0.1] = 0.0  # exact zeros and ties among the products
+        assert np.array_equal(depth_survivals(c), numpy_path(c))
+    for bad in ([[0.5, float("nan")]], [[1.2]], [[-0.1, 0.3]], np.full((1, 40), np.nan)):  # both validation paths
+        with pytest.raises(ValueError, match=r"\[0, 1\]"):
+            as_confidences(bad)
