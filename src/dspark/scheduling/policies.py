@@ -35,6 +35,9 @@ def rounded_context(context: float | None) -> int:
     return 0 if not context else max(CONTEXT_STEP, CONTEXT_STEP * round(context / CONTEXT_STEP))
 
 
+SMALL_CHECK = 32  # values up to which as_confidences checks the range in plain Python
+
+
 def as_confidences(c) -> np.ndarray:
     """Validate and convert (numpy, list, or torch tensor) to float64 [R, γ] in [0, 1]."""
     if hasattr(c, "detach"):  # torch tensor, without importing torch here
@@ -44,7 +47,10 @@ def as_confidences(c) -> np.ndarray:
         raise ValueError(f"confidences must have shape [R, gamma], got shape {c.shape}")
     # a step's few values are checked in plain Python: two numpy reductions, run cold right after the model's
     # forwards, cost the async policy ~70 µs a step at one request (session 44); NaN fails either comparison
-    ok = all(0.0 <= x <= 1.0 for x in c.ravel().tolist()) if c.size <= 32 else (c.min() >= 0.0 and c.max() <= 1.0)
+    if c.size <= SMALL_CHECK:
+        ok = all(0.0 <= x <= 1.0 for x in c.ravel().tolist())
+    else:
+        ok = c.min() >= 0.0 and c.max() <= 1.0
     if c.size and not ok:
         raise ValueError("confidences must lie in [0, 1] (calibrated probabilities); got values outside or NaN")
     return c
