@@ -72,3 +72,37 @@ def test_sample_from_takes_the_kernel_only_where_it_applies(monkeypatch):
     small = torch.softmax(torch.randn(3, 1000), -1)  # under 16 blocks: one fp64 cumsum, no kernel
     sample_from(small, torch.rand(3, dtype=torch.float64))
     assert calls == [probs.shape]
+
+
+def test_seeded_draws_through_the_kernel_repeat_and_equal_torchs():
+    """A request's generator drives its draws: the same seed gives the same tokens through the kernel, and the
+    tokens the torch path draws from those uniforms."""
+    probs, _ = awkward_rows(rows=16)
+    draws = []
+    for _ in range(2):
+        g = torch.Generator().manual_seed(11)
+        u = torch.rand(16, generator=g, dtype=torch.float64)
+        draws.append((sample_from(probs, u), _sample_by_blocks(probs, u)))
+    assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][0], draws[0][1])
+
+
+def test_kernel_draws_follow_the_distribution_chi_square():
+    """60,000 draws from one row of 4,096 tokens (16 blocks: the kernel's smallest vocabulary) whose mass sits
+    on 24 tokens spread over the blocks, the rest a sliver: the counts fit the probabilities (chi-square, 24
+    cells plus the sliver pooled, p > 0.001)."""
+    from scipy.stats import chisquare
+
+    g = torch.Generator().manual_seed(0)
+    vocab, n = 16 * CDF_BLOCK, 60_000
+    probs = torch.full((vocab,), 1e-5)  # ~4 % of the mass, spread thin
+    heavy = torch.randperm(vocab, generator=g)[:24]
+    probs[heavy] = torch.rand(24, generator=g) + 0.2
+    probs /= probs.sum()
+    tokens = native_sample.sample_blocks(probs.expand(n, vocab).contiguous(),
+                                         torch.rand(n, generator=g, dtype=torch.float64))
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    rest = torch.ones(vocab, dtype=torch.bool)
+    rest[heavy] = False
+    observed = torch.cat([counts[heavy], counts[rest].sum().view(1)])
+    expected = torch.cat([probs[heavy].double(), probs[rest].double().sum().view(1)]) * n
+    assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue > 1e-3
