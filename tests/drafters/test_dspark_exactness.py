@@ -298,7 +298,8 @@ RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0
          "priced at the context": dict(min_gain=0.0, max_age=4),
          "depth capped by the spread of K": dict(spread_depth=1, min_gain=0.0, max_age=4),
          "depth priced with K": dict(joint_requests=3, explore_every=2, min_gain=0.0, max_age=4),
-         "pools shrunk toward the long-run mean": dict(shrink=0.0, long_steps=64, min_gain=0.0, max_age=4)}
+         "pools shrunk toward the long-run mean": dict(shrink=0.0, long_steps=64, min_gain=0.0, max_age=4),
+         "kept drafting at a priced loss (low load)": dict(low_stay_gain=-0.9, min_gain=0.0, max_age=4)}
 # Requests each test runs at once where a rule needs load: these rules fire only while a probe (of one request)
 # drafts part of the batch, and the far back-off's load must then halve; at T = 1 requests live three steps.
 RUNNING = {"greedy": {"confirmed thin pool": 3, "far back-off": 2, "probes soon once the load halves": 2,
@@ -351,7 +352,8 @@ PRICED_BY = {"early stop below K": (_verify_priced_profile, False), "no extra sl
              "probes soon once the load halves": (_dear_draft_profile, False),
              "priced at the context": (_context_priced_profile, False),
              "depth capped by the spread of K": (_verify_priced_profile, False),
-             "pools shrunk toward the long-run mean": (_depth_priced_profile, False)}
+             "pools shrunk toward the long-run mean": (_depth_priced_profile, False),
+             "kept drafting at a priced loss (low load)": (_verify_priced_profile, False)}
 
 
 # rules that fire where every request's drafts look alike (K shared evenly), as a random head's do
@@ -392,6 +394,8 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
             probes[0] = 0
             if policy._memo[2] <= 1.0 + policy.min_gain:
                 seen.add("kept drafting below the entry margin")
+            if policy._memo[2] < 1.0 and n_requests <= policy.joint_requests:
+                seen.add("kept drafting at a priced loss (low load)")  # low_stay_gain
         if policy._probing:
             probes[0] += 1
             if probes[0] >= 2 and policy._interval == policy.reprobe_every:  # backing off would have doubled it

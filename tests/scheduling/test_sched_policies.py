@@ -545,7 +545,7 @@ def test_async_policy_reuses_k_while_its_pool_is_unchanged(monkeypatch):
         monkeypatch.setattr(ap, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     prof = SpeedProfile((1, 4, 8), (1.0, 1.25, 1.6), (1, 8), (0.3, 0.3))
     rng = np.random.default_rng(2)
-    memo, fresh = AsyncPolicy(prof, probe_every=4), AsyncPolicy(prof, probe_every=4)
+    memo, fresh = (AsyncPolicy(prof, probe_every=4, low_stay_gain=None) for _ in range(2))  # runs end at a loss
     ks = {id(memo): [], id(fresh): []}
     cs = [rng.beta(1, 3, size=(1, 7)) for _ in range(300)]
     for pol in (memo, fresh):
@@ -644,12 +644,38 @@ def _run(pol, confidences):
 def test_async_policy_keeps_drafting_while_it_pays_and_enters_only_past_the_margin():
     strong, mid = 0.9, 0.5  # mid: pays (1.5 / 1.4 = 1.07) but under the 10 % margin
     hyst = AsyncPolicy(_two_level_sps, min_gain=0.1, pool_requests=1)
-    plain = AsyncPolicy(_two_level_sps, min_gain=0.1, pool_requests=1, stay_gain=0.1)
+    plain = AsyncPolicy(_two_level_sps, min_gain=0.1, pool_requests=1, stay_gain=0.1, low_stay_gain=None)
     # steps 0-1 have no old history (Algorithm 1); K at steps 2-3 comes from the strong steps 0-1
     assert _run(hyst, [strong, strong, mid, mid, mid, mid]) == [None, None, 1, 1, 1, 1]
     assert _run(plain, [strong, strong, mid, mid, mid, mid]) == [None, None, 1, 1, 0, 0]
     fresh = AsyncPolicy(_two_level_sps, min_gain=0.1, pool_requests=1)  # not drafting: mid does not start a run
     assert _run(fresh, [mid, mid, mid, mid]) == [None, None, 0, 0]
+
+
+def test_async_policy_at_low_load_ends_a_run_only_on_a_clear_loss():
+    strong, dip = 0.9, 0.37  # dip: a one-slot draft priced at 1.37 / 1.4 = 0.979 of plain decoding
+    low = AsyncPolicy(_two_level_sps, min_gain=0.1, pool_requests=1)  # R = 1 <= joint_requests: low_stay_gain -3 %
+    assert low.low_stay_gain == -0.03 and low.stay_gain == 0.0
+    assert _run(low, [strong, strong, dip, dip, dip, dip]) == [None, None, 1, 1, 1, 1]
+    off = AsyncPolicy(_two_level_sps, min_gain=0.1, pool_requests=1, low_stay_gain=None)  # stay_gain at every R
+    assert _run(off, [strong, strong, dip, dip, dip, dip]) == [None, None, 1, 1, 0, 0]
+    assert _run(AsyncPolicy(_two_level_sps, min_gain=0.1, pool_requests=1), [strong, strong, 0.3, 0.3, 0.3])[4] == 0  # priced 0.93
+
+    def ks_at(n_requests, **options):  # K = R drafts of one slot each, priced as one request's
+        sps = lambda b: np.where(np.asarray(b) > n_requests, 1 / 1.4, 1.0)  # noqa: E731
+        pol, ks = AsyncPolicy(sps, min_gain=0.1, pool_requests=1, **options), []
+        for c in [strong, strong, dip, dip, dip, dip]:
+            drafts = pol.prepare(n_requests)
+            ks.append(pol.last_capacity)
+            pol.select(np.full((n_requests, 1), c) if drafts else None, n_requests=n_requests)
+        return ks
+
+    assert ks_at(2) == [None, None, 2, 2, 2, 2]  # joint_requests = 2: still low load
+    assert ks_at(3) == [None, None, 3, 3, 0, 0]  # above it the run ends where drafting is priced under plain
+    assert ks_at(3, joint_requests=3) == [None, None, 3, 3, 3, 3]
+    for bad in ({"low_stay_gain": 0.2}, {"low_stay_gain": -1.0}):
+        with pytest.raises(ValueError, match="low_stay_gain"):
+            AsyncPolicy(_two_level_sps, min_gain=0.1, **bad)
 
 
 def test_async_policy_looks_again_soon_after_a_drafting_run_ends():

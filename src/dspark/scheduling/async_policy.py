@@ -32,7 +32,10 @@ class AsyncPolicy:
     docs/async-scheduler.md.
 
     - ``min_gain`` (3 %): K > 0 only when it beats plain decoding by more than the profile's pricing error;
-      ``stay_gain`` (0): once drafting, keep on while the best K beats plain decoding at all (hysteresis).
+      ``stay_gain`` (0): once drafting, keep on while the best K beats plain decoding at all (hysteresis);
+      ``low_stay_gain`` (-3 %): the same at R <= ``joint_requests``, where a pool is a few steps and the pools
+      priced below plain decoding accepted more than they promised, so a run ends only on a clear loss (None:
+      ``stay_gain``).
     - ``pool_requests`` / ``pool_steps`` / ``max_age``: K pools the newest old-enough steps until they hold 8
       rows (at R = 1 the last 8 drafted steps), none older than 16 steps unless it is the newest.
     - ``probe_requests`` (2), ``reprobe_every`` (2), ``near_loss`` (5 %): a probe that drafts every running
@@ -69,7 +72,7 @@ class AsyncPolicy:
                  confirm: bool = False, far_loss: float = 0.1, far_probe_every: int | None = None,
                  price_context: bool = True, spread_depth: bool = True, joint_requests: int = 2,
                  explore_every: int = 8, watch_load: bool = True, live_overhead: bool = True,
-                 shrink: float = 1.0, long_steps: int = 256):
+                 shrink: float = 1.0, long_steps: int = 256, low_stay_gain: float | None = -0.03):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -79,6 +82,9 @@ class AsyncPolicy:
         stay_gain = min_gain if stay_gain is None else stay_gain  # None: no hysteresis
         if not -1.0 < stay_gain <= min_gain:
             raise ValueError(f"stay_gain must lie in (-1, min_gain = {min_gain}], got {stay_gain}")
+        low_stay_gain = stay_gain if low_stay_gain is None else low_stay_gain
+        if not -1.0 < low_stay_gain <= min_gain:
+            raise ValueError(f"low_stay_gain must lie in (-1, min_gain = {min_gain}], got {low_stay_gain}")
         reprobe_every = min(2, max_probe_every) if reprobe_every is None else reprobe_every
         if not 1 <= reprobe_every <= max_probe_every:
             raise ValueError(f"need 1 <= reprobe_every <= max_probe_every, got {reprobe_every}, {max_probe_every}")
@@ -89,7 +95,7 @@ class AsyncPolicy:
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.pool_requests, self.pool_steps = pool_requests, pool_steps
         self.min_gain, self.probe_requests = min_gain, probe_requests
-        self.stay_gain, self.reprobe_every = stay_gain, reprobe_every
+        self.stay_gain, self.low_stay_gain, self.reprobe_every = stay_gain, low_stay_gain, reprobe_every
         if max_age is not None and max_age < lag:
             raise ValueError(f"max_age must be >= lag = {lag} (None: no limit), got {max_age}")
         self.max_age = max_age
@@ -218,7 +224,7 @@ class AsyncPolicy:
                 self._memo = (key, *self._price(c_old, n_requests))
             _, best, ratio, self._grow, self._spread, self._depth = self._memo
             self.last_ratio = ratio
-            margin = self.stay_gain if self.last_capacity else self.min_gain  # hysteresis: drafting keeps on
+            margin = self._stay_gain(n_requests) if self.last_capacity else self.min_gain  # hysteresis
             starting = not self.last_capacity
             self.last_capacity = best if ratio > 1.0 + margin else 0
             if self.confirm and starting and self.last_capacity and self._thin(c_old, n_requests):
@@ -260,6 +266,11 @@ class AsyncPolicy:
         grow = not self.lean_depth or best < 1 or could_grow(survivals, shapes, self.sps, n_requests, best)
         spread = self._longest_share(c_old, n_requests, best) if self.spread_depth else None
         return best, ratio, grow, spread, 0
+
+    def _stay_gain(self, n_requests: int) -> float:
+        """The margin a drafting run keeps on above: ``low_stay_gain`` at R <= ``joint_requests``, where the pools
+        are few steps (the K = 0 they price is mostly their noise), else ``stay_gain``."""
+        return self.low_stay_gain if n_requests <= self.joint_requests else self.stay_gain
 
     def _next_interval(self, ratio: float, n_requests: int) -> int:
         """Skipped steps before the probe after this one: soon while drafting is near paying at a load a probe
