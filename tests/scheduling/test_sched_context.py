@@ -34,6 +34,17 @@ def test_a_step_is_priced_at_the_mean_context_linearly_in_requests_and_verified_
     assert at.sps(8, 1) == pytest.approx(1 / (at.step_s(8, 1) + CTX.draft_s(1)))
 
 
+def test_a_profile_hashes_once_and_each_context_view_by_its_own_fields():
+    import dataclasses
+
+    fresh = dataclasses.replace(CTX)  # equal fields, hash not yet computed
+    assert fresh == CTX and hash(fresh) == hash(CTX)
+    assert hash(CTX) == hash(tuple(getattr(CTX, f.name) for f in dataclasses.fields(CTX) if f.compare))
+    at = CTX.at_context(1256)  # a copy of a profile whose hash was cached: it must not keep that hash
+    assert at != CTX and hash(at) == hash(dataclasses.replace(CTX, context=1256.0)) != hash(CTX)
+    assert {CTX: 1, at: 2}[CTX.at_context(1256)] == 2  # the price caches find a view by its context
+
+
 def test_a_profile_without_context_prices_ignores_the_context():
     plain = SpeedProfile((1, 32), (0.011, 0.040), grid_requests=(1, 4), grid_tokens=(1, 2, 8), grid_seconds=GRID)
     assert not plain.prices_context and plain.at_context(4000) is plain

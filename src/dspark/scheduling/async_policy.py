@@ -9,7 +9,7 @@ import numpy as np
 from .acceptance_tracker import AcceptanceTracker
 from .live_profile import LiveProfile
 from .long_run import LongRunSurvivals
-from .depth_pricing import capacity_and_depth, depth_survivals
+from .depth_pricing import SMALL, capacity_and_depth, depth_lists, depth_survivals, running_products
 from .policies import (SPS, capacity_from_survivals, could_grow, draft_depth_for, rounded_context, step_survivals,
                        sync_prefix_schedule, top_k_lengths)
 from .policy_objects import need_confidences
@@ -163,6 +163,7 @@ class AsyncPolicy:
         # enough to pool `pool_steps` of them `lag` steps back; the survivals are kept so re-pricing K does not redo
         # them for every pooled step
         self._history: deque[tuple] = deque(maxlen=self.lag + self.pool_steps)
+        self._lists: dict[int, list] = {}  # step -> its depth_lists, for the history's small steps (see select)
         self._step = 0  # index of the step being planned
         self._skipped = 0  # drafter-skipped steps in a row
         self._interval = self.probe_every  # skipped steps before the next probe
@@ -221,7 +222,7 @@ class AsyncPolicy:
                    None if self.live is None else self.live.rebuilds, self._context,
                    None if self._long is None else self._long.folded)
             if key != self._memo[0]:  # while the drafter is skipped nothing changes: K is reused, not recomputed
-                self._memo = (key, *self._price(c_old, n_requests))
+                self._memo = (key, *self._price(c_old, n_requests, pool_steps))
             _, best, ratio, self._grow, self._spread, self._depth = self._memo
             self.last_ratio = ratio
             margin = self._stay_gain(n_requests) if self.last_capacity else self.min_gain  # hysteresis
@@ -250,7 +251,7 @@ class AsyncPolicy:
         self._planned = True
         return self.last_capacity != 0
 
-    def _price(self, c_old, n_requests: int) -> tuple[int, float, bool, int | None, int]:
+    def _price(self, c_old, n_requests: int, steps: tuple[int, ...] = ()) -> tuple[int, float, bool, int | None, int]:
         """(best K, Θ_K / Θ_0, grow, spread, depth) from the pooled steps (see ``prepare``)."""
         adjust = self.tracker.adjust if self.tracker is not None else None  # scaled: their survivals change too
         if n_requests <= self.joint_requests:
@@ -258,7 +259,10 @@ class AsyncPolicy:
                         for c, _, d in c_old]
             if self._long is not None:
                 by_depth = [self._long.shrunk(d, self.shrink) for d in by_depth]
-            best, depth, ratio = capacity_and_depth(by_depth, [c.shape[0] for c, _, _ in c_old], self.sps, n_requests)
+            kept = adjust is None and self._long is None and all(s in self._lists for s in steps)
+            tables = [self._lists[s] for s in steps] if kept and steps else None  # as select listed them
+            best, depth, ratio = capacity_and_depth(by_depth, [c.shape[0] for c, _, _ in c_old], self.sps, n_requests,
+                                                    tables)
             return best, ratio, True, None, depth
         shapes = [c.shape for c, _, _ in c_old]
         survivals = [step_survivals(adjust(c)) if adjust else a for c, a, _ in c_old]
@@ -334,8 +338,18 @@ class AsyncPolicy:
         c = need_confidences(self.name, c)
         kept = c if drafted is None else c[list(drafted)]
         kept = kept.copy()  # the caller may reuse its buffer next step
-        # by depth only for steps the size joint pricing sees (at R = 32 the γ sorts were work for nothing)
-        by_depth = depth_survivals(kept) if kept.shape[0] <= self.joint_requests else None
+        # by depth only for steps the size joint pricing sees (at R = 32 the γ sorts were work for nothing); a small
+        # step's lists are kept for pricing and its survival rows serve its own top-K: after the model's forwards
+        # each numpy call here costs several times what it does in a loop (scripts/policy_step_cost.py)
+        runs = running_products(kept.tolist()) if 0 < kept.size <= SMALL and kept.shape[0] <= self.joint_requests \
+            else None
+        if runs is not None:
+            self._lists[step] = lists = depth_lists(runs)
+            if len(self._lists) > self._history.maxlen:
+                del self._lists[next(iter(self._lists))]  # the oldest: it has left the history
+            by_depth = np.array(lists)
+        else:
+            by_depth = depth_survivals(kept) if kept.shape[0] <= self.joint_requests else None
         # its deepest row is the step's survivals, all R·d of them sorted (step_survivals): not sorted twice
         self._history.append((step, kept, step_survivals(kept) if by_depth is None else by_depth[-1], by_depth))
         if self._long is not None and by_depth is not None:
@@ -347,7 +361,7 @@ class AsyncPolicy:
         if self.early_stop:
             return sync_prefix_schedule(c, self.sps, capacity=self.last_capacity,
                                         depth=self.draft_depth(c.shape[1]))
-        return top_k_lengths(c, self.last_capacity)
+        return top_k_lengths(c, self.last_capacity, runs if drafted is None and self.tracker is None else None)
 
     @property
     def observes_steps(self) -> bool:

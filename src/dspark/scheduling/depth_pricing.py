@@ -29,11 +29,7 @@ def depth_survivals(c: np.ndarray) -> np.ndarray:
     """One step's validated confidences [R, d] -> [d, R·d]: row i holds the descending survivals of its first i + 1
     slots (``step_survivals`` of c[:, :i + 1]), zero-padded: what pricing a shallower draft needs of the step."""
     if 0 < c.size <= SMALL:  # in plain Python (see SMALL); the running products are numpy's cumprod, bit for bit
-        rows, width, depths = _running_products(c.tolist()), c.size, c.shape[1]
-        if len(rows) == 1:  # one request: its survivals already descend along the row
-            return np.array([rows[0][:depth] + [0.0] * (width - depth) for depth in range(1, depths + 1)])
-        return np.array([sorted((x for row in rows for x in row[:depth]), reverse=True)
-                         + [0.0] * (width - len(rows) * depth) for depth in range(1, depths + 1)])
+        return np.array(depth_lists(running_products(c.tolist())))
     a = np.cumprod(c, axis=1)
     if a.shape[0] == 1:
         return np.tril(np.broadcast_to(a[0], (a.size, a.size)))
@@ -43,7 +39,17 @@ def depth_survivals(c: np.ndarray) -> np.ndarray:
     return out
 
 
-def _running_products(rows: list[list[float]]) -> list[list[float]]:
+def depth_lists(runs: list[list[float]]) -> list[list[float]]:
+    """``depth_survivals`` as nested lists, from the step's survival rows (``running_products`` of its [R, d]
+    confidences): what the plain-Python pricing reads, so a policy that keeps them lists nothing when it prices."""
+    width, depths = sum(map(len, runs)), len(runs[0])
+    if len(runs) == 1:  # one request: its survivals already descend along the row
+        return [runs[0][:depth] + [0.0] * (width - depth) for depth in range(1, depths + 1)]
+    return [sorted((x for row in runs for x in row[:depth]), reverse=True) + [0.0] * (width - len(runs) * depth)
+            for depth in range(1, depths + 1)]
+
+
+def running_products(rows: list[list[float]]) -> list[list[float]]:
     """Each row's running product, multiplied left to right as ``np.cumprod`` does (so the same floats)."""
     out = []
     for row in rows:
@@ -55,8 +61,8 @@ def _running_products(rows: list[list[float]]) -> list[list[float]]:
     return out
 
 
-def capacity_and_depth(by_depth: list[np.ndarray], rows: list[int], sps: SPS,
-                       n_requests: int) -> tuple[int, int, float]:
+def capacity_and_depth(by_depth: list[np.ndarray], rows: list[int], sps: SPS, n_requests: int,
+                       tables: list[list[list[float]]] | None = None) -> tuple[int, int, float]:
     """The best (K, depth) to draft and verify, and its Θ / Θ_0: K from 1..R·depth, depth from 1 to the deepest
     any pooled step drafted, each depth priced from the pooled steps that drafted at least that many slots (their
     ``depth_survivals``; ``rows`` their R_old), truncated to it, with drafting at that depth. (0, 0, 1.0) when no
@@ -64,7 +70,8 @@ def capacity_and_depth(by_depth: list[np.ndarray], rows: list[int], sps: SPS,
 
     Ties go to the shallower depth, then the smaller K. Each depth's expected gains are ``pooled_gains`` of the
     steps truncated to it, summed in the same order, so a slow reference that truncates and pools per depth agrees
-    with it."""
+    with it. ``tables``: the same steps as ``depth_lists``, when the caller kept them (the plain-Python path then
+    converts nothing)."""
     base = int(n_requests)
     if base <= 0 or not by_depth:
         return 0, 0, 1.0
@@ -74,7 +81,8 @@ def capacity_and_depth(by_depth: list[np.ndarray], rows: list[int], sps: SPS,
         for i in range(m.shape[0]):
             weight[i] += r
     if base * deepest <= SMALL and all(r == base for r in rows):
-        k, depth, best = _best_small(by_depth, weight, base, _joint_prices(sps, base, deepest, lists=True))
+        k, depth, best = _best_small(tables if tables is not None else [m.tolist() for m in by_depth], weight, base,
+                                     _joint_prices(sps, base, deepest, lists=True))
     else:
         k, depth, best = _best(by_depth, rows, weight, base, _joint_prices(sps, base, deepest))
     plain = base * float(_plain_sps(sps, base))
@@ -102,10 +110,10 @@ def _best(by_depth, rows, weight, base: int, prices: np.ndarray) -> tuple[int, i
     return int(k), int(depth) + 1, float(theta[depth, k])
 
 
-def _best_small(by_depth, weight, base: int, prices: list[list[float]]) -> tuple[int, int, float]:
-    """``_best`` for pools whose steps all have R rows, in plain Python: each depth's survivals summed over the
-    steps in pool order, then the running sum, exactly as ``_best`` sums them, so the floats and ties agree."""
-    tables = [m.tolist() for m in by_depth]
+def _best_small(tables, weight, base: int, prices: list[list[float]]) -> tuple[int, int, float]:
+    """``_best`` for pools whose steps all have R rows, in plain Python (each step's ``depth_lists``): each depth's
+    survivals summed over the steps in pool order, then the running sum, exactly as ``_best`` sums them, so the
+    floats and ties agree."""
     best = (0, 1, -np.inf)
     for i, w in enumerate(weight):
         if w == 0:

@@ -325,9 +325,10 @@ def async_schedule(c_now, capacity: int) -> np.ndarray:
     return top_k_lengths(as_confidences(c_now), capacity)
 
 
-def top_k_lengths(c_now: np.ndarray, capacity: int) -> np.ndarray:
+def top_k_lengths(c_now: np.ndarray, capacity: int, runs: list[list[float]] | None = None) -> np.ndarray:
     """``async_schedule`` on confidences already validated by ``as_confidences`` (the async policy's select has
-    done so: validating twice was a fifth of its time per step)."""
+    done so: validating twice was a fifth of its time per step). ``runs``: their running products as lists
+    (``depth_pricing.running_products``, numpy's cumprod bit for bit), when the caller has them."""
     n_req = c_now.shape[0]
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
@@ -335,10 +336,10 @@ def top_k_lengths(c_now: np.ndarray, capacity: int) -> np.ndarray:
         return np.zeros(n_req, dtype=np.int64)
     if n_req == 1:  # one request's best K slots are its first K (survival never rises along a row)
         return np.array([min(int(capacity), c_now.shape[1])], dtype=np.int64)
-    a = np.cumprod(c_now, axis=1)
-    if n_req * min(int(capacity), a.size) <= SMALL_MERGE:
-        return np.array(_merged_lengths(a.tolist(), int(capacity)), dtype=np.int64)
-    order = _visit_order(a)
+    if n_req * min(int(capacity), c_now.size) <= SMALL_MERGE:
+        rows = runs if runs is not None else np.cumprod(c_now, axis=1).tolist()
+        return np.array(_merged_lengths(rows, int(capacity)), dtype=np.int64)
+    order = _visit_order(np.cumprod(c_now, axis=1))
     return _lengths(order, min(int(capacity), order.size), n_req)
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import copy
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 import numpy as np
@@ -154,6 +154,15 @@ class SpeedProfile:
     _s: np.ndarray = field(init=False, repr=False, compare=False)
     _grid: tuple = field(init=False, repr=False, compare=False)  # (requests [Gr], tokens [Gk], seconds [Gr, Gk])
     _by_depth: np.ndarray | None = field(init=False, repr=False, compare=False)  # see _check_depth_table
+    _hash: int | None = field(init=False, repr=False, compare=False, default=None)  # see __hash__
+
+    def __hash__(self) -> int:
+        """The compared fields' hash, computed once: the schedulers' price caches key on the profile and look it up
+        right after the model's forwards, where hashing every table again cost ~25 µs a lookup (scripts/
+        policy_step_cost.py). Frozen, so it never goes stale; ``at_context``'s views get their own."""
+        if self._hash is None:
+            object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare)))
+        return self._hash
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
@@ -275,6 +284,7 @@ class SpeedProfile:
                 self._views.clear()
             view = self._views[context] = copy.copy(self)  # its _views is this dict: views of views are views
             object.__setattr__(view, "context", float(context))
+            object.__setattr__(view, "_hash", None)  # its context is compared, so hashed: not the copied hash
         return view
 
     def _context_extra_s(self, n_tokens, n_requests):
