@@ -890,3 +890,21 @@ def test_depth_survivals_in_plain_python_equal_numpys_bit_for_bit():
     for bad in ([[0.5, float("nan")]], [[1.2]], [[-0.1, 0.3]], np.full((1, 40), np.nan)):  # both validation paths
         with pytest.raises(ValueError, match=r"\[0, 1\]"):
             as_confidences(bad)
+
+
+def test_pricing_and_top_k_from_kept_lists_equal_the_arrays_path():
+    """The async policy keeps a small step's survival lists and hands them to the pricing and to its own top-K;
+    both must decide exactly as they do from the arrays (ties included)."""
+    from dspark.scheduling.depth_pricing import capacity_and_depth, depth_lists, depth_survivals, running_products
+    from dspark.scheduling.policies import top_k_lengths
+
+    rng, prof = np.random.default_rng(1), SpeedProfile((1, 4, 8, 16), (1.0, 1.2, 1.5, 2.2), (1, 8), (0.2, 0.3))
+    for _ in range(400):
+        r = int(rng.integers(1, 3))
+        steps = [rng.uniform(0, 1, (r, int(rng.integers(1, 8)))).round(1) for _ in range(int(rng.integers(1, 6)))]
+        runs = [running_products(c.tolist()) for c in steps]
+        by_depth = [depth_survivals(c) for c in steps]
+        assert capacity_and_depth(by_depth, [r] * len(steps), prof, r, [depth_lists(x) for x in runs]) == \
+            capacity_and_depth(by_depth, [r] * len(steps), prof, r)
+        k = int(rng.integers(0, 2 * steps[0].size + 1))
+        assert np.array_equal(top_k_lengths(steps[0], k, runs[0]), top_k_lengths(steps[0], k))

@@ -259,8 +259,8 @@ class AsyncPolicy:
                         for c, _, d in c_old]
             if self._long is not None:
                 by_depth = [self._long.shrunk(d, self.shrink) for d in by_depth]
-            kept = adjust is None and self._long is None and all(s in self._lists for s in steps)
-            tables = [self._lists[s] for s in steps] if kept and steps else None  # as select listed them
+            listed = steps and adjust is None and self._long is None and all(s in self._lists for s in steps)
+            tables = [self._lists[s] for s in steps] if listed else None  # as select listed them
             best, depth, ratio = capacity_and_depth(by_depth, [c.shape[0] for c, _, _ in c_old], self.sps, n_requests,
                                                     tables)
             return best, ratio, True, None, depth
