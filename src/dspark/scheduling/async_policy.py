@@ -9,7 +9,7 @@ import numpy as np
 from .acceptance_tracker import AcceptanceTracker
 from .live_profile import LiveProfile
 from .long_run import LongRunSurvivals
-from .depth_pricing import SMALL, capacity_and_depth, depth_lists, depth_survivals, running_products
+from .depth_pricing import capacity_and_depth, depth_survivals, small_step_lists
 from .policies import (SPS, capacity_from_survivals, could_grow, draft_depth_for, rounded_context, step_survivals,
                        sync_prefix_schedule, top_k_lengths)
 from .policy_objects import need_confidences
@@ -341,15 +341,14 @@ class AsyncPolicy:
         # by depth only for steps the size joint pricing sees (at R = 32 the γ sorts were work for nothing); a small
         # step's lists are kept for pricing and its survival rows serve its own top-K: after the model's forwards
         # each numpy call here costs several times what it does in a loop (scripts/policy_step_cost.py)
-        runs = running_products(kept.tolist()) if 0 < kept.size <= SMALL and kept.shape[0] <= self.joint_requests \
-            else None
-        if runs is not None:
-            self._lists[step] = lists = depth_lists(runs)
+        joint = kept.shape[0] <= self.joint_requests
+        small = small_step_lists(kept) if joint else None
+        runs, lists = small if small is not None else (None, None)
+        if lists is not None:
+            self._lists[step] = lists
             if len(self._lists) > self._history.maxlen:
                 del self._lists[next(iter(self._lists))]  # the oldest: it has left the history
-            by_depth = np.array(lists)
-        else:
-            by_depth = depth_survivals(kept) if kept.shape[0] <= self.joint_requests else None
+        by_depth = np.array(lists) if lists is not None else depth_survivals(kept) if joint else None
         # its deepest row is the step's survivals, all R·d of them sorted (step_survivals): not sorted twice
         self._history.append((step, kept, step_survivals(kept) if by_depth is None else by_depth[-1], by_depth))
         if self._long is not None and by_depth is not None:

@@ -28,15 +28,25 @@ SMALL = 32  # values per step (R·d) or per depth's candidates (R·deepest) up t
 def depth_survivals(c: np.ndarray) -> np.ndarray:
     """One step's validated confidences [R, d] -> [d, R·d]: row i holds the descending survivals of its first i + 1
     slots (``step_survivals`` of c[:, :i + 1]), zero-padded: what pricing a shallower draft needs of the step."""
-    if 0 < c.size <= SMALL:  # in plain Python (see SMALL); the running products are numpy's cumprod, bit for bit
-        return np.array(depth_lists(running_products(c.tolist())))
+    small = small_step_lists(c)
+    if small is not None:
+        return np.array(small[1])
     a = np.cumprod(c, axis=1)
-    if a.shape[0] == 1:
+    if a.shape[0] == 1:  # one request: its survivals already descend along the row
         return np.tril(np.broadcast_to(a[0], (a.size, a.size)))
     out = np.zeros((a.shape[1], a.size))
     for depth in range(1, a.shape[1] + 1):
         out[depth - 1, :a.shape[0] * depth] = -np.sort(-a[:, :depth].ravel())
     return out
+
+
+def small_step_lists(c: np.ndarray) -> tuple[list[list[float]], list[list[float]]] | None:
+    """(survival rows, ``depth_lists``) of a step of at most SMALL values, in plain Python (see SMALL; the running
+    products are numpy's cumprod, bit for bit); None for an empty or larger step."""
+    if not 0 < c.size <= SMALL:
+        return None
+    runs = running_products(c.tolist())
+    return runs, depth_lists(runs)
 
 
 def depth_lists(runs: list[list[float]]) -> list[list[float]]:
