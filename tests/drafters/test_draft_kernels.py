@@ -117,7 +117,8 @@ def _drafted_logits(drafter, monkeypatch, prompts, params):
 def test_bf16_products_draft_what_fp32_drafts_up_to_near_ties(target, head, monkeypatch):
     """bf16 products move each logit by rounding only: until two greedy drafts part, every slot's logits and
     confidences agree to a bf16 tolerance, and where they part the fp32 path's top two logits are within that
-    tolerance (a near-tie); for 1 request (the C kernel's rows in the heads) and 3 (bf16 everywhere)."""
+    tolerance (a near-tie); for 1 request (the bf16 C kernel's rows in the heads, where the CPU has one) and 3
+    (bf16 oneDNN from 3 rows)."""
     if not _kernels_available(target):
         pytest.skip("no fast CPU kernel in this build")
     fp32 = tiny_drafter(target, head=head, head_scale=1.0, block=4)
@@ -137,6 +138,32 @@ def test_bf16_products_draft_what_fp32_drafts_up_to_near_ties(target, head, monk
             if parted.numel():
                 top2 = ref_logits[r, last].topk(2).values
                 assert float(top2[0] - top2[1]) < 2 * tolerance
+
+
+def test_bf16_products_of_few_rows_take_the_bf16_c_kernel_where_there_is_one(target, monkeypatch):
+    """In bf16, 1-2 rows go to the bf16 C kernel where the CPU has one (its cold-weight products were the fastest
+    there: results/bf16-projections-s46), 3 and more to bf16 oneDNN; without it, few rows stay on the fp32
+    kernels, as before. Both give the reference product to bf16 rounding."""
+    from dspark.models import native
+
+    if not _kernels_available(target):
+        pytest.skip("no fast CPU kernel in this build")
+    layer = tiny_drafter(target, head="markov", block=4, bf16=True).model.layers[0]
+    fast = draft_kernels.attached(layer, "gate_up")
+    has_c = native.kernel_bf16() is not None and target.lm_head.native
+    assert fast.wide.native == has_c
+    calls = []
+    real = native.linear
+    monkeypatch.setattr(native, "linear", lambda x, w, b=None: calls.append((x.shape[0], w.dtype)) or real(x, w, b))
+    for rows in (1, 2, 3, 7):
+        x = torch.randn(rows, target.config.hidden_size)
+        with torch.inference_mode():
+            got = draft_kernels.linear(layer, "gate_up", x)
+        torch.testing.assert_close(got, layer.gate_up(x), atol=0.05, rtol=0.02)
+    if has_c:
+        assert calls == [(1, torch.bfloat16), (2, torch.bfloat16)]
+    else:
+        assert all(dtype == torch.float32 for _, dtype in calls)
 
 
 def test_bf16_is_on_by_default_only_where_the_cpu_multiplies_bf16(target):

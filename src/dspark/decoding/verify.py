@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample_from
+from .sampling import greedy_tokens, sample_from
 
 
 @dataclass
@@ -114,7 +114,7 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_d
 
     draft_tokens: [R, γ]; target_logits: [R, γ+1, V]; num_draft: [R].
     """
-    return accept_greedy(draft_tokens, target_logits.argmax(-1), num_draft, stop_ids)
+    return accept_greedy(draft_tokens, greedy_tokens(target_logits), num_draft, stop_ids)
 
 
 def accept_greedy(draft_tokens: torch.Tensor, best: torch.Tensor, num_draft: torch.Tensor,

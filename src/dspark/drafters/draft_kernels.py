@@ -14,8 +14,13 @@ measured for the target, models/kernel_choice.py, pre-packed oneDNN above), for 
 With `bf16=True` (the default where the CPU has native bf16 dot products, `bf16_is_fast`), products of
 `BF16_MIN_ROWS` (3) rows or more read a bf16 copy of the weight through pre-packed oneDNN, with bf16 activations
 and fp32 accumulation: on the dev machine's AVX512-BF16 cores that is 1.4-1.6x faster for the draft layer's
-projections at 3-7 rows, while at 1-2 rows the fp32 C kernel stays faster (scripts/bf16_projection_cost.py).
-The shipped drafter's weights are stored in bf16, so the copy is exact and only the activations are rounded.
+projections at 3-7 rows. Fewer rows go to our bf16 C kernel where the CPU has one (AVX512-BF16): with the weights
+cold, as in an engine step, it was the fastest of the four paths (C or oneDNN, fp32 or bf16) at 1-2 rows for every
+drafter projection on session 46's Intel Xeon — the Markov head's 0.300 -> 0.217 ms, the feature fusion's 0.387 ->
+0.163 ms at one row against what ran before, fp32 oneDNN (scripts/bf16_projection_cost.py,
+results/bf16-projections-s46). Without it, the fp32 C kernel (as on session 15's AMD EPYC, before the bf16 C kernel
+existed). The shipped drafter's weights are stored in bf16, so the copy is exact and only the activations are
+rounded; the Markov head's input, a row of its own bf16 table, is not rounded at all.
 
 Either way the drafter's distribution q moves by float rounding (bf16: ~1e-2 in a logit), so a drafted token can
 differ from the reference path where its top two logits nearly tie. Verification uses the probabilities the
@@ -28,7 +33,7 @@ from torch import nn
 
 from ..models.layers import Projection
 
-BF16_MIN_ROWS = 3  # below, the fp32 C kernel beats bf16 oneDNN on the draft layer's shapes (bf16_projection_cost.py)
+BF16_MIN_ROWS = 3  # below, the C kernels beat bf16 oneDNN on the draft layer's shapes (bf16_projection_cost.py)
 
 
 def bf16_is_fast() -> bool:
@@ -39,9 +44,12 @@ def bf16_is_fast() -> bool:
     return torch.backends.mkldnn.is_available() and any(f is not None and f() for f in has)
 
 
-def bf16_projection(weight: torch.Tensor) -> Projection:
-    """A pre-packed oneDNN product with bf16 weights: call it with bf16 activations; it returns bf16."""
-    return Projection(weight.detach().to(torch.bfloat16).contiguous(), packed=True)
+def bf16_projection(weight: torch.Tensor, native: bool = False) -> Projection:
+    """A product with bf16 weights: call it with bf16 activations; it returns bf16. Pre-packed oneDNN, and with
+    `native` the bf16 C kernel below BF16_MIN_ROWS rows where the CPU has one."""
+    projection = Projection(weight.detach().to(torch.bfloat16).contiguous(), packed=True, native=native)
+    projection.native_rows = BF16_MIN_ROWS - 1
+    return projection
 
 
 class FastLinear:
@@ -56,7 +64,8 @@ class FastLinear:
         self.projection = Projection(weight, self.bias, packed=packed, native=native)
         if native_rows is not None:
             self.projection.native_rows = native_rows
-        self.wide = bf16_projection(weight) if bf16 else None  # for BF16_MIN_ROWS rows and more
+        # bf16 weights from BF16_MIN_ROWS rows, and below too where the bf16 C kernel serves them (`wide.native`)
+        self.wide = bf16_projection(weight, native=native) if bf16 else None
 
     def usable(self, x: torch.Tensor) -> bool:
         weight = self.linear.weight
@@ -69,7 +78,7 @@ class FastLinear:
             w = self.linear.weight[self.rows]
             return nn.functional.linear(x, w, None if self.linear.bias is None else self.linear.bias[self.rows])
         flat = x.reshape(-1, x.shape[-1])
-        if self.wide is not None and flat.shape[0] >= BF16_MIN_ROWS:
+        if self.wide is not None and (self.wide.native or flat.shape[0] >= BF16_MIN_ROWS):
             out = self.wide(flat.to(torch.bfloat16)).float()
             if self.bias is not None:
                 out += self.bias

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding.sampling import sample_from, to_probs
+from ..decoding.sampling import greedy_tokens, sample_from, to_probs
 from ..models.transformer import Transformer
 from .base import BatchFirstDrafter, DraftRequest, DrafterError, Proposal, register_drafter
 from .dspark_checkpoint import load_calibration, load_drafter_model
@@ -187,7 +187,7 @@ def slot_probs(requests: list[DraftRequest], gamma: int, vocab: int) -> torch.Te
 def draw(logits: torch.Tensor, requests: list[DraftRequest], probs: torch.Tensor | None, k: int) -> torch.Tensor:
     """Slot k's draft-vocabulary tokens [R] from fp32 logits [R, Vd], storing its distribution in probs[:, k]."""
     if probs is None:  # all greedy: the argmax, first index on ties, exactly as to_probs's one-hot
-        return logits.argmax(-1)
+        return greedy_tokens(logits)
     probs[:, k] = DSparkDrafter._process(logits, requests)
     # Invariant 1: the token is drawn from exactly the fp32 vector handed to verification (scattered into the
     # full vocabulary afterwards, which changes no probability).
