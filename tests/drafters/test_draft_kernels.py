@@ -123,7 +123,7 @@ def test_bf16_products_draft_what_fp32_drafts_up_to_near_ties(target, head, monk
         pytest.skip("no fast CPU kernel in this build")
     fp32 = tiny_drafter(target, head=head, head_scale=1.0, block=4)
     bf16 = tiny_drafter(target, head=head, head_scale=1.0, block=4, bf16=True)
-    assert bf16.profile_id.endswith("-k-bf16") and not fp32.profile_id.endswith("-bf16")
+    assert bf16.profile_id.endswith("-k-bf16c" if bf16.bf16_c else "-k-bf16") and "-bf16" not in fp32.profile_id
     params, tolerance = SamplingParams(temperature=0.0), 0.05
     for prompts in (PROMPTS[:1], PROMPTS):
         ref, ref_logits = _drafted_logits(fp32, monkeypatch, prompts, params)
@@ -148,10 +148,11 @@ def test_bf16_products_of_few_rows_take_the_bf16_c_kernel_where_there_is_one(tar
 
     if not _kernels_available(target):
         pytest.skip("no fast CPU kernel in this build")
-    layer = tiny_drafter(target, head="markov", block=4, bf16=True).model.layers[0]
+    drafter = tiny_drafter(target, head="markov", block=4, bf16=True)
+    layer = drafter.model.layers[0]
     fast = draft_kernels.attached(layer, "gate_up")
     has_c = native.kernel_bf16() is not None and target.lm_head.native
-    assert fast.wide.native == has_c
+    assert fast.wide.native == has_c == drafter.bf16_c  # and the speed profile's key says so (profile_id)
     calls = []
     real = native.linear
     monkeypatch.setattr(native, "linear", lambda x, w, b=None: calls.append((x.shape[0], w.dtype)) or real(x, w, b))
@@ -171,7 +172,7 @@ def test_bf16_is_on_by_default_only_where_the_cpu_multiplies_bf16(target):
 
     auto = DSparkDrafter(tiny_drafter(target).model, target, bf16=None)
     assert auto.bf16 == (target.lm_head.packed is not None and draft_kernels.bf16_is_fast())
-    assert auto.profile_id.endswith("-bf16") == auto.bf16
+    assert ("-bf16" in auto.profile_id) == auto.bf16
 
 
 def test_the_drafter_takes_the_targets_measured_row_limit(target):

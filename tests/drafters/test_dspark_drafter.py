@@ -124,7 +124,7 @@ def test_dflash_checkpoint_has_no_confidence(tmp_path, target):
 def test_a_precision_suffix_sets_the_drafters_products(tmp_path, target):
     path = str(save(tmp_path, tiny_drafter(target, head="markov", block=4), target))
     assert make_drafter(path + "@fp32", target=target).bf16 is False
-    assert make_drafter(path + "@bf16", target=target).profile_id.endswith("-bf16")
+    assert "-bf16" in make_drafter(path + "@bf16", target=target).profile_id
     assert make_drafter(path + "@auto", target=target).bf16 == make_drafter(path, target=target).bf16
     with pytest.raises(DrafterError, match="DSpark/DFlash drafters, not 'ngram'"):
         make_drafter("ngram@fp32", target=target)

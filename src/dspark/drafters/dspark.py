@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..decoding.sampling import greedy_tokens, sample_from, to_probs
+from ..models import native
 from ..models.transformer import Transformer
 from .base import BatchFirstDrafter, DraftRequest, DrafterError, Proposal, register_drafter
 from .dspark_checkpoint import load_calibration, load_drafter_model
@@ -58,13 +59,15 @@ class DSparkDrafter(BatchFirstDrafter):
         # the target's CPU kernels for the drafter's own projections too (draft_kernels.py)
         self.kernels = attach_kernels(model, packed=packed, native=target.lm_head.native, bf16=self.bf16,
                                       native_rows=target.lm_head.native_rows)
+        # its few-row products through the bf16 C kernel (session 46; draft_kernels.py): a price of its own
+        self.bf16_c = bool(self.kernels and self.bf16 and target.lm_head.native and native.kernel_bf16() is not None)
 
     @property
     def profile_id(self) -> str:
         a = self.model.arch
         return (f"{a.drafter_type}-g{self.gamma}-L{a.num_layers}-{a.head}{a.rank}-v{self.model.draft_vocab_size}"
                 f"{'-conf' if a.confidence else ''}{'-k' if self.kernels else ''}"
-                f"{'-bf16' if self.bf16 else ''}")  # kernels and precision change its price
+                f"{'-bf16' if self.bf16 else ''}{'c' if self.bf16_c else ''}")  # kernels and precision: its price
 
     # ------------------------------------------------------------------------------------------------
     def context(self, request: DraftRequest) -> DraftContext:
