@@ -74,6 +74,18 @@ def test_sample_from_takes_the_kernel_only_where_it_applies(monkeypatch):
     assert calls == [probs.shape]
 
 
+def test_rows_apart_in_memory_draw_what_their_contiguous_copy_draws():
+    """The drafter samples slot k of its [R, γ, V] buffer: rows a γ·V stride apart go through the kernel as they
+    are (no copy) and draw the tokens of the same rows made contiguous."""
+    probs, u = awkward_rows(rows=12)
+    block = probs.view(4, 3, -1)  # [R, γ, V]
+    for k in range(3):
+        view = block[:, k]
+        assert not view.is_contiguous() and native_sample.usable(view)
+        assert torch.equal(native_sample.sample_blocks(view, u[:4]), full_cdf(view.contiguous(), u[:4]))
+        assert torch.equal(sample_from(view, u[:4]), native_sample.sample_blocks(view.contiguous(), u[:4]))
+
+
 def test_seeded_draws_through_the_kernel_repeat_and_equal_torchs():
     """A request's generator drives its draws: the same seed gives the same tokens through the kernel, and the
     tokens the torch path draws from those uniforms."""

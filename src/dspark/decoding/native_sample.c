@@ -48,13 +48,15 @@ static long sample_row(const float *p, long nb, double u, double *cdf) {
   return b * BLOCK + last;
 }
 
-/* probs [R, V] fp32 contiguous (V a multiple of BLOCK), u [R] fp64 in [0, 1) -> tokens [R] */
-void dspark_sample_blocks(const float *probs, long R, long V, const double *u, long *tokens, int threads) {
+/* probs [R, V] fp32, row r at probs + r * stride (V a multiple of BLOCK; stride >= V: the drafter's slot k of
+ * [R, γ, V] is such a view), u [R] fp64 in [0, 1) -> tokens [R] */
+void dspark_sample_blocks(const float *probs, long R, long V, long stride, const double *u, long *tokens,
+                          int threads) {
   const long nb = V / BLOCK;
 #pragma omp parallel for schedule(static) num_threads(threads) if (R >= PARALLEL_ROWS)
   for (long r = 0; r < R; r++) {
     double cdf[nb]; /* a few KB of stack: 192 blocks for 49,152 tokens */
-    tokens[r] = sample_row(probs + r * V, nb, u[r], cdf);
+    tokens[r] = sample_row(probs + r * stride, nb, u[r], cdf);
   }
 }
 

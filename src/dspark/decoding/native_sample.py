@@ -30,7 +30,8 @@ def kernel(cache_dir: str | None = None):
     fn = native.load_function(SOURCE, "dspark_sample_blocks", cache_dir)
     if fn is None:
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int]
     fn.restype = None
     return fn if _self_check(fn) else None
 
@@ -51,15 +52,16 @@ def _call(fn, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     rows, vocab = probs.shape
     u = uniforms.to(torch.float64).contiguous()
     tokens = torch.empty(rows, dtype=torch.int64)
-    fn(probs.data_ptr(), rows, vocab, u.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
+    fn(probs.data_ptr(), rows, vocab, probs.stride(0), u.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
     return tokens
 
 
 def usable(probs: torch.Tensor) -> bool:
-    """fp32 rows on CPU, contiguous, whole blocks, no autograd, and a kernel that built."""
+    """fp32 rows on CPU, each contiguous (rows may sit apart: the drafter's slot k of its [R, γ, V] buffer), whole
+    blocks, no autograd, and a kernel that built."""
     return (probs.dim() == 2 and probs.dtype == torch.float32 and probs.device.type == "cpu"
-            and probs.is_contiguous() and probs.shape[1] % BLOCK == 0 and not probs.requires_grad
-            and kernel() is not None)
+            and probs.stride(1) == 1 and probs.stride(0) >= probs.shape[1] and probs.shape[1] % BLOCK == 0
+            and not probs.requires_grad and kernel() is not None)
 
 
 def sample_blocks(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
