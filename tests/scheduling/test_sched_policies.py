@@ -223,7 +223,9 @@ def test_async_spread_depth_drafts_one_past_the_longest_share_of_k():
     even = np.tile([[0.9, 0.6, 0.3, 0.2, 0.2, 0.2, 0.2]], (4, 1))
     skewed = np.array([[0.99] * 7] + [[0.05] * 7] * 3)
     for c, capped in ((even, True), (skewed, False)):
-        pol, plain = AsyncPolicy(FLAT, min_gain=0.0), AsyncPolicy(FLAT, min_gain=0.0, spread_depth=False)
+        # K priced at depth K + 1 (the rule above joint_requests), which the cap corrects
+        pol = AsyncPolicy(FLAT, min_gain=0.0, joint_requests=0)
+        plain = AsyncPolicy(FLAT, min_gain=0.0, spread_depth=False, joint_requests=0)
         for _ in range(4):
             for p in (pol, plain):
                 p.prepare(4)
@@ -670,9 +672,11 @@ def test_async_policy_at_low_load_ends_a_run_only_on_a_clear_loss():
             pol.select(np.full((n_requests, 1), c) if drafts else None, n_requests=n_requests)
         return ks
 
-    assert ks_at(2) == [None, None, 2, 2, 2, 2]  # joint_requests = 2: still low load
-    assert ks_at(3) == [None, None, 3, 3, 0, 0]  # above it the run ends where drafting is priced under plain
-    assert ks_at(3, joint_requests=3) == [None, None, 3, 3, 3, 3]
+    assert ks_at(2) == [None, None, 2, 2, 2, 2]
+    assert ks_at(4) == [None, None, 4, 4, 4, 4]  # joint_requests = 4: still low load
+    assert ks_at(5) == [None, None, 5, 5, 0, 0]  # above it the run ends where drafting is priced under plain
+    assert ks_at(5, joint_requests=5) == [None, None, 5, 5, 5, 5]
+    assert ks_at(3, joint_requests=2) == [None, None, 3, 3, 0, 0]  # the default before session 46
     for bad in ({"low_stay_gain": 0.2}, {"low_stay_gain": -1.0}):
         with pytest.raises(ValueError, match="low_stay_gain"):
             AsyncPolicy(_two_level_sps, min_gain=0.1, **bad)
@@ -855,15 +859,15 @@ def test_joint_depth_explores_one_slot_deeper_every_explore_every_drafting_steps
 
 
 def test_joint_pricing_pools_steps_of_a_larger_batch_when_the_load_falls():
-    """Steps drafted at R = 4 keep no per-depth survivals (joint pricing never sees R > 2 as the current load); when
-    the batch falls to 2 they are still in the pool, and are priced jointly as if kept."""
+    """Steps drafted at R = 6 keep no per-depth survivals (joint pricing never sees R > joint_requests = 4 as the
+    current load); when the batch falls to 2 they are still in the pool, and are priced jointly as if kept."""
     from dspark.scheduling.depth_pricing import capacity_and_depth, depth_survivals
 
     rng = np.random.default_rng(4)
     pol = AsyncPolicy(FLAT, min_gain=0.0, max_age=None)
     for _ in range(4):
-        drafts = pol.prepare(4)
-        pol.select(rng.beta(3, 1.5, size=(4, pol.draft_depth(7))) if drafts else None, n_requests=4)
+        drafts = pol.prepare(6)
+        pol.select(rng.beta(3, 1.5, size=(6, pol.draft_depth(7))) if drafts else None, n_requests=6)
     assert all(d is None for *_, d in pol._history)
     _, pool = pol._old_confidences()
     want = capacity_and_depth([depth_survivals(c) for c, _, _ in pool], [c.shape[0] for c, _, _ in pool], FLAT, 2)

@@ -42,9 +42,10 @@ class AsyncPolicy:
       request is an ordinary drafting step, so at such loads probes come soon after a drafting run ends and keep
       coming while the best K is priced near plain decoding.
     - ``spread_depth`` (on): the drafted depth is capped by how K was shared in the pooled steps.
-    - ``joint_requests`` (2), ``explore_every`` (8): at low load K and the drafted depth are priced together
-      (``depth_pricing.capacity_and_depth``); every 8th drafting step drafts one slot more, so deeper depths
-      keep a price.
+    - ``joint_requests`` (4; 2 before session 46), ``explore_every`` (8): at low load K and the drafted depth are
+      priced together (``depth_pricing.capacity_and_depth``); every 8th drafting step drafts one slot more, so
+      deeper depths keep a price. Above it K is priced at depth K + 1, which at C = 4 and T = 0 on the Intel
+      Xeon charged drafting so much that the policy skipped 77 % of the steps while fixed-2 gained 8 %.
     - ``price_context`` (on): steps are priced at the running requests' mean context.
     - ``shrink`` (1: off), ``long_steps`` (256): at R <= ``joint_requests`` each pooled step's survivals are moved
       toward their mean over the last ``long_steps`` drafted steps, mean + shrink · (pool - mean)
@@ -70,7 +71,7 @@ class AsyncPolicy:
                  reprobe_every: int | None = None, max_age: int | None = 16, near_loss: float = 0.05,
                  early_stop: bool = False, lean_depth: bool = False, live: bool = False, steady_run: int = 1,
                  confirm: bool = False, far_loss: float = 0.1, far_probe_every: int | None = None,
-                 price_context: bool = True, spread_depth: bool = True, joint_requests: int = 2,
+                 price_context: bool = True, spread_depth: bool = True, joint_requests: int = 4,
                  explore_every: int = 8, watch_load: bool = True, live_overhead: bool = True,
                  shrink: float = 1.0, long_steps: int = 256, low_stay_gain: float | None = -0.03):
         if lag < 1:
