@@ -120,6 +120,12 @@ def attach(model: nn.Module, *, packed: bool, native: bool, bf16: bool = False, 
     return count
 
 
+def few_rows_on_bf16_c(model: nn.Module) -> bool:
+    """Whether ``attach`` routed this model's few-row products to the bf16 C kernel (their price differs)."""
+    return any(fast.wide is not None and fast.wide.native for module in model.modules()
+               for fast in module.__dict__.get("fast_linears", {}).values())
+
+
 def detach(model: nn.Module) -> None:
     """Remove every attached kernel: the module's own products run again (the slow reference)."""
     for module in model.modules():

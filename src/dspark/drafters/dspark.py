@@ -21,13 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from ..decoding.sampling import greedy_tokens, sample_from, to_probs
-from ..models import native
 from ..models.transformer import Transformer
 from .base import BatchFirstDrafter, DraftRequest, DrafterError, Proposal, register_drafter
 from .dspark_checkpoint import load_calibration, load_drafter_model
 from .dspark_context import DraftContext
 from .dspark_model import DSparkModel
-from .draft_kernels import attach as attach_kernels, bf16_is_fast
+from .draft_kernels import attach as attach_kernels, bf16_is_fast, few_rows_on_bf16_c
 from .frozen_target import inference_head
 
 STATE_KEY = "dspark.context"
@@ -60,7 +59,7 @@ class DSparkDrafter(BatchFirstDrafter):
         self.kernels = attach_kernels(model, packed=packed, native=target.lm_head.native, bf16=self.bf16,
                                       native_rows=target.lm_head.native_rows)
         # its few-row products through the bf16 C kernel (session 46; draft_kernels.py): a price of its own
-        self.bf16_c = bool(self.kernels and self.bf16 and target.lm_head.native and native.kernel_bf16() is not None)
+        self.bf16_c = few_rows_on_bf16_c(model)
 
     @property
     def profile_id(self) -> str:
