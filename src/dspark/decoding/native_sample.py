@@ -108,7 +108,8 @@ ARGMAX_MIN_VOCAB = 1024  # below, the C call's fixed cost (~8 µs) outweighs wha
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [..., V] -> [...] int64: the first index of each row's maximum (a NaN counts as the maximum), as
     ``x.argmax(-1)``; through the C kernel for fp32 CPU rows of at least ARGMAX_MIN_VOCAB, else torch's. Measured
-    on session 46's Intel Xeon (2 threads): 8 rows of 49,152 logits 307 -> 54 µs, one row 73 -> 16 µs."""
+    on session 46's Intel Xeon (2 threads): 8 rows of 49,152 logits 270 -> 61 µs, one row 68 -> 17 µs
+    (scripts/greedy_draw_cost.py)."""
     fn = argmax_kernel() if (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.numel()
                              and x.shape[-1] >= ARGMAX_MIN_VOCAB and not x.requires_grad) else None
     if fn is None:

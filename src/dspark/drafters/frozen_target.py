@@ -86,7 +86,8 @@ class DraftVocabMixin:
         if self.vocab_ids is None:
             return probs
         out = probs.new_zeros(*probs.shape[:-1], self.frozen.lm_head.shape[0])
-        # index_copy_ rather than out[..., ids] = probs (index_put): 159 -> 95 µs for one request's 7 slots
+        # index_copy_ rather than out[..., ids] = probs (index_put): 121 -> 70 µs for one request's 7 slots
+        # (scripts/greedy_draw_cost.py)
         return out.index_copy_(-1, self.vocab_ids.to(out.device), probs)
 
     def _refresh_heads(self) -> None:
