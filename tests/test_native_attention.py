@@ -129,11 +129,12 @@ def test_a_segment_does_not_depend_on_its_neighbours_or_the_thread_count():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,hd,window", [(9, 3, 64, None), (8, 2, 20, 11)])
+@pytest.mark.parametrize("heads,kv_heads,hd,window", [(9, 3, 64, None), (8, 2, 20, 11), (4, 2, 8, None)])
 def test_a_verified_row_equals_the_same_token_decoded_alone(dtype, heads, kv_heads, hd, window):
     """Speculative decoding verifies a draft in one multi-token segment where plain decoding attends one token a
     step; the kernel blocks keys by 8 and query rows by 3, so every row must come out bitwise the same either way
-    (whatever block a key falls in, and with the rows after it in the segment masked)."""
+    (whatever block a key falls in, and with the rows after it in the segment masked). Head sizes: two full
+    16-lane vectors, one and a 4-dimension tail, and 8 (below a 16-lane vector: every dimension in the tail)."""
     g = torch.Generator().manual_seed(11)
     start, n = 29, 8
     cache = Cache(2, kv_heads, 48, hd, g, dtype)

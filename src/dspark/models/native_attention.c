@@ -11,6 +11,10 @@
  * QB x 8 accumulators, the 8 dot products reduced together by hsum8), the weighted sum QB rows at a time with
  * their 64-value accumulators in registers (each value chunk loaded once for the QB rows). One layer's attention on
  * SmolLM2's shapes got 1.4-2.1x faster than the one-dot-at-a-time loop (scripts/attention_kernel_cost.py).
+ * Session 47 (perf on an AVX-512 Xeon, one 8-token block after 300 tokens): 16-lane vectors where AVX-512 is there,
+ * the bf16 widening by intrinsics (GCC split a 16-lane one in three), a vectorised row maximum (the scalar one was a
+ * chain of dependent compares) and no empty pass over the keys for a head size that is a multiple of the lane
+ * width: 1.3-2.1x per layer call again (results/attention-kernel-s47).
  * Every score is the same chain of operations in the blocked and the one-key path, and masked keys add exact
  * zeros, so a row's result depends neither on the other requests in the call, nor on the thread count, nor on
  * how many rows its segment has: a verified draft token sees bitwise what plain decoding of it would. The
@@ -72,6 +76,22 @@ static inline v8 exp8(v8 x) {
   return y * (v8)bits;
 }
 
+/* The largest of row[0..n) (-inf for none; NaNs skipped). Lane-wise, then across lanes: max is exact, so the order
+ * does not matter (a scalar loop was a chain of dependent compares: 5 us of a 30-us task at 300 keys). */
+static float row_max(const float *row, long n) {
+  v8 m8 = splat(-INFINITY);
+  long j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const v8 x = *(const v8 *)(row + j);
+    const v8i greater = x > m8;
+    m8 = (v8)(((v8i)x & greater) | ((v8i)m8 & ~greater));
+  }
+  float m = -INFINITY;
+  for (int l = 0; l < 8; l++) m = m8[l] > m ? m8[l] : m;
+  for (; j < n; j++) m = row[j] > m ? row[j] : m;
+  return m;
+}
+
 /* row[j] = e^(row[j] - m) for j < n; returns their sum (8 lanes, then the tail lane by lane, a fixed order). */
 static float exp_sum(float *row, long n, float m) {
   v8 acc = (v8){0};
@@ -91,16 +111,43 @@ static float exp_sum(float *row, long n, float m) {
   return s;
 }
 
+#ifdef __AVX512F__
+/* The dot products and weighted sums run on W = 16 lanes: half the multiply-adds and loads of 8 lanes (one layer
+ * of an 8-token verification block after 300 tokens: see scripts/attention_kernel_cost.py, session 47). A score's
+ * 16 lane sums are folded to 8 (lane l + lane l+8) before hsum's tree, in the blocked and the one-key path alike. */
+#define W 16
+typedef float vw __attribute__((vector_size(64), aligned(4)));
+static inline vw maddw(vw acc, vw a, vw b) { return (vw)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc); }
+static inline v8 fold(vw a) {
+  return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13,
+                                                                                           14, 15);
+}
+static inline vw splatw(float f) { return (vw)_mm512_set1_ps(f); }
+/* intrinsics: GCC splits a generic 16-lane widening into two 8-lane ones and an insert */
+static inline vw widenw(const bf16 *src) {
+  return (vw)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16);
+}
+#else
+#define W 8
+typedef v8 vw;
+typedef v8i vwi;
+typedef v8h vwh;
+static inline vw maddw(vw acc, vw a, vw b) { return madd(acc, a, b); }
+static inline v8 fold(vw a) { return a; }
+static inline vw splatw(float f) { return (vw){f, f, f, f, f, f, f, f}; }
+static inline vw widenw(const bf16 *src) { return (vw)(__builtin_convertvector(*(const vwh *)src, vwi) << 16); }
+#endif
+
 #ifdef __AVX512VL__
 #define QB 3 /* query rows sharing each key/value load: 24 accumulators in AVX-512VL's 32 vector registers */
 #else
 #define QB 1 /* AVX2's 16 registers hold one row's 8 accumulators */
 #endif
 
-/* 8 values at element `index` of an fp32 or (widened) bf16 array. Inlined with a constant bf. */
-static inline __attribute__((always_inline)) v8 load8(const void *base, long index, int bf) {
-  if (bf) return (v8)(__builtin_convertvector(*(const v8h *)((const bf16 *)base + index), v8i) << 16);
-  return *(const v8 *)((const float *)base + index);
+/* W values at element `index` of an fp32 or (widened) bf16 array. Inlined with a constant bf. */
+static inline __attribute__((always_inline)) vw loadw(const void *base, long index, int bf) {
+  if (bf) return widenw((const bf16 *)base + index);
+  return *(const vw *)((const float *)base + index);
 }
 
 static inline __attribute__((always_inline)) float load1(const void *base, long index, int bf) {
@@ -125,61 +172,64 @@ static inline v8 hsum8(const v8 a[8]) {
 }
 
 /* scores[r * span + j] = (q_r · k_j) * scale for nb query rows qs[r] and keys first + j, j < span: blocks of 8 keys
- * (each key chunk loaded once for the nb rows; 8 accumulators a row), reduced by hsum8; the rest one by one. Every
- * score is the same chain of operations (chunk sums, hsum's tree, the tail dimensions) either way. Inlined with
- * constant nb and bf. */
+ * (each key chunk loaded once for the nb rows; 8 accumulators a row), folded and reduced by hsum8; the rest one by
+ * one. Every score is the same chain of operations (chunk sums, the fold, hsum's tree, the tail dimensions) either
+ * way. Inlined with constant nb and bf. */
 static inline __attribute__((always_inline)) void score_rows(const float *const *qs, int nb, const void *kc,
                                                              long first, long span, long hd, float scale,
                                                              float *scores, int bf) {
-  const long n8 = hd & ~7L;
+  const long nw = hd & ~(long)(W - 1);
   long j = 0;
   for (; j + 8 <= span; j += 8) {
-    v8 acc[QB][8];
+    vw acc[QB][8];
     for (int r = 0; r < nb; r++)
-      for (int t = 0; t < 8; t++) acc[r][t] = (v8){0};
-    for (long c = 0; c < n8; c += 8) {
-      v8 qv[QB];
-      for (int r = 0; r < nb; r++) qv[r] = *(const v8 *)(qs[r] + c);
+      for (int t = 0; t < 8; t++) acc[r][t] = (vw){0};
+    for (long c = 0; c < nw; c += W) {
+      vw qv[QB];
+      for (int r = 0; r < nb; r++) qv[r] = *(const vw *)(qs[r] + c);
       for (int t = 0; t < 8; t++) {
-        const v8 kv = load8(kc, (first + j + t) * hd + c, bf);
-        for (int r = 0; r < nb; r++) acc[r][t] = madd(acc[r][t], qv[r], kv);
+        const vw kv = loadw(kc, (first + j + t) * hd + c, bf);
+        for (int r = 0; r < nb; r++) acc[r][t] = maddw(acc[r][t], qv[r], kv);
       }
     }
     for (int r = 0; r < nb; r++) {
-      v8 s = hsum8(acc[r]);
-      for (long i = n8; i < hd; i++)
+      v8 folded[8];
+      for (int t = 0; t < 8; t++) folded[t] = fold(acc[r][t]);
+      v8 s = hsum8(folded);
+      for (long i = nw; i < hd; i++)
         for (int t = 0; t < 8; t++) s[t] += qs[r][i] * load1(kc, (first + j + t) * hd + i, bf);
       *(v8 *)(scores + r * span + j) = s * scale;
     }
   }
   for (; j < span; j++)
     for (int r = 0; r < nb; r++) {
-      v8 acc = (v8){0};
-      for (long c = 0; c < n8; c += 8) acc = madd(acc, *(const v8 *)(qs[r] + c), load8(kc, (first + j) * hd + c, bf));
-      float s = hsum(acc);
-      for (long i = n8; i < hd; i++) s += qs[r][i] * load1(kc, (first + j) * hd + i, bf);
+      vw acc = (vw){0};
+      for (long c = 0; c < nw; c += W) acc = maddw(acc, *(const vw *)(qs[r] + c), loadw(kc, (first + j) * hd + c, bf));
+      float s = hsum(fold(acc));
+      for (long i = nw; i < hd; i++) s += qs[r][i] * load1(kc, (first + j) * hd + i, bf);
       scores[r * span + j] = s * scale;
     }
 }
 
-/* acc[r * hd + d0 + d] = Σ_j p_r[j] v_j[d0 + d] for d < 8 nc, nb rows of weights p (row stride span; zero where a
- * key is masked), in key order: nb x nc accumulators in registers, each value chunk loaded once for the nb rows. */
+/* acc[r * hd + d0 + d] = Σ_j p_r[j] v_j[d0 + d] for d < W nc, nb rows of weights p (row stride span; zero where a
+ * key is masked), in key order: nb x nc accumulators in registers, each value chunk loaded once for the nb rows.
+ * Each dimension is one chain of multiply-adds in key order, whatever the lane width. */
 static inline __attribute__((always_inline)) void weigh_rows(const float *p, int nb, int nc, const void *vc,
                                                              long first, long span, long hd, long d0, float *acc,
                                                              int bf) {
-  v8 a[QB][8];
+  vw a[QB][8];
   for (int r = 0; r < nb; r++)
-    for (int c = 0; c < nc; c++) a[r][c] = (v8){0};
+    for (int c = 0; c < nc; c++) a[r][c] = (vw){0};
   for (long j = 0; j < span; j++) {
     float w[QB];
     for (int r = 0; r < nb; r++) w[r] = p[r * span + j];
     for (int c = 0; c < nc; c++) {
-      const v8 vv = load8(vc, (first + j) * hd + d0 + 8 * c, bf);
-      for (int r = 0; r < nb; r++) a[r][c] = madd(a[r][c], splat(w[r]), vv);
+      const vw vv = loadw(vc, (first + j) * hd + d0 + W * c, bf);
+      for (int r = 0; r < nb; r++) a[r][c] = maddw(a[r][c], splatw(w[r]), vv);
     }
   }
   for (int r = 0; r < nb; r++)
-    for (int c = 0; c < nc; c++) *(v8 *)(acc + r * hd + d0 + 8 * c) = a[r][c];
+    for (int c = 0; c < nc; c++) *(vw *)(acc + r * hd + d0 + W * c) = a[r][c];
 }
 
 /* CALL(n, b) with constant n = nb (<= QB rows) and b = bf: the instances of score_rows and weigh_rows. */
@@ -200,24 +250,24 @@ static void scores_of(const float *const *qs, int nb, const void *kc, long first
 #undef SCORE
 }
 
-/* The weighted sums in value chunks of 64, 32, 16 and 8 dimensions (constant accumulator counts), then the rest. */
+/* The weighted sums in value chunks of 8, 4, 2 and 1 vectors (constant accumulator counts), then the rest. */
 static void weigh(const float *p, int nb, const void *vc, long first, long span, long hd, float *acc, int bf) {
-  const long n8 = hd & ~7L;
+  const long nw = hd & ~(long)(W - 1);
   long d0 = 0;
 #define WEIGH(n, c, b) weigh_rows(p, n, c, vc, first, span, hd, d0, acc, b)
 #define WIDTHS(n, b)                                                                                            \
   do {                                                                                                          \
-    for (; d0 + 64 <= n8; d0 += 64) WEIGH(n, 8, b);                                                             \
-    if (d0 + 32 <= n8) { WEIGH(n, 4, b); d0 += 32; }                                                            \
-    if (d0 + 16 <= n8) { WEIGH(n, 2, b); d0 += 16; }                                                            \
-    if (d0 + 8 <= n8) { WEIGH(n, 1, b); d0 += 8; }                                                              \
+    for (; d0 + 8 * W <= nw; d0 += 8 * W) WEIGH(n, 8, b);                                                       \
+    if (d0 + 4 * W <= nw) { WEIGH(n, 4, b); d0 += 4 * W; }                                                      \
+    if (d0 + 2 * W <= nw) { WEIGH(n, 2, b); d0 += 2 * W; }                                                      \
+    if (d0 + W <= nw) { WEIGH(n, 1, b); d0 += W; }                                                              \
   } while (0)
   BY_ROWS(WIDTHS, nb, bf);
 #undef WIDTHS
 #undef WEIGH
-  for (int r = 0; r < nb; r++)  /* a head size not a multiple of 8: the last dimensions one by one */
+  for (int r = 0; r < nb && nw < hd; r++)  /* a head size not a multiple of W: the last dimensions one by one */
     for (long j = 0; j < span; j++)
-      for (long d = n8; d < hd; d++) acc[r * hd + d] += p[r * span + j] * load1(vc, (first + j) * hd + d, bf);
+      for (long d = nw; d < hd; d++) acc[r * hd + d] += p[r * span + j] * load1(vc, (first + j) * hd + d, bf);
 }
 
 /* One task: queries i0..i1-1 of a segment, the query heads of KV head g. kc, vc: this layer's rows of head g; q,
@@ -243,10 +293,10 @@ static int attend_chunk(const void *q, long q_row, void *out, long out_row, long
   for (long qi = 0; qi < nq; qi++) {  /* softmax over the visible keys only; masked weights become exact zeros */
     const long pos = start + i0 + qi / groups;
     const long lo = window > 0 && pos - window + 1 > first ? pos - window + 1 - first : 0, hi = pos + 1 - first;
-    float *row = scores + qi * span, m = -INFINITY;
+    float *row = scores + qi * span, m;
     if (softcap > 0)
       for (long j = lo; j < hi; j++) row[j] = tanhf(row[j] / softcap) * softcap;
-    for (long j = lo; j < hi; j++) m = row[j] > m ? row[j] : m;
+    m = row_max(row + lo, hi - lo);
     total[qi] = exp_sum(row + lo, hi - lo, m);
     for (long j = 0; j < lo; j++) row[j] = 0.0f;  /* p·v adds exactly nothing there: cached values are finite */
     for (long j = hi; j < span; j++) row[j] = 0.0f;
