@@ -29,7 +29,9 @@ MAX_QUERIES = 32  # beyond this a segment is a prefill chunk: torch's blocked fl
 # torch's bf16 flash kernel multiplies in bf16 and overtakes this one at fewer queries. SmolLM2 steps, torch vs
 # this kernel: one request of 8 tokens 24.6 vs 24.6 ms, of 12 tokens 28.1 vs 30.0 ms, of 16 tokens 31.1 vs 35.0 ms;
 # 16 requests of 1 token 65.5 vs 42.3 ms (`scripts/segment_cost.py --dtype bfloat16 --kernel-limit 32`,
-# results/segment-cost-s35). Verification blocks of the default depth 7 are 8 tokens.
+# results/segment-cost-s35). Verification blocks of the default depth 7 are 8 tokens. On the Intel Xeon, after
+# session 47's kernel changes, this kernel is ahead up to 16 queries (1 x 12: 26.0 vs 25.1 ms, 1 x 16: 27.9 vs 26.4;
+# results/segment-cost-s47/bfloat16-limit32.txt); the limit stays until the EPYC's crossover is measured again.
 MAX_QUERIES_BF16 = 8
 
 _L, _P = ctypes.c_long, ctypes.c_void_p
