@@ -136,9 +136,10 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=30, help="calls per timed sample")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--forward", default=None, help='time SmolLM2 forwards instead: e.g. "1x1,1x2,1x8,16"')
+    ap.add_argument("--threads", type=int, default=2, help="torch (and so kernel) threads, at most the machine's")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(min(args.threads, torch.get_num_threads()))
     builds = {"ours": build(None)}
     if args.compare_source:
         builds[args.compare_source.stem] = build(args.compare_source, tuple(args.compare_flags.split()))

@@ -77,7 +77,9 @@ static inline v8 exp8(v8 x) {
 }
 
 /* The largest of row[0..n) (-inf for none; NaNs skipped). Lane-wise, then across lanes: max is exact, so the order
- * does not matter (a scalar loop was a chain of dependent compares: 5 us of a 30-us task at 300 keys). */
+ * does not matter (of +0 and -0 either may come out; e^(x - m) is then the same). A scalar loop was a chain of
+ * dependent compares: in a perf profile of an 8-token block after 300 keys, most of the time outside the products
+ * and the exp. */
 static float row_max(const float *row, long n) {
   v8 m8 = splat(-INFINITY);
   long j = 0;
