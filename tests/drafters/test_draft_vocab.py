@@ -100,6 +100,35 @@ def test_t1_law_with_draft_vocabulary(kind):
     assert_first_tokens_match_target(target, outs, n)
 
 
+def test_inference_builds_no_copy_of_the_lm_head_and_training_still_can():
+    """Drafting reads the target's head rows through its own kernel; the frozen head copies (fp32 in the head dtype:
+    for a bf16 SmolLM2, 144 MiB of copies nothing read) are built only when training or the reference path asks,
+    and a copy first asked for under inference mode still takes part in autograd afterwards."""
+    target = tiny_target(seed=4, scale=2.0)
+    drafter = vocab_drafter(target, list(range(0, 96, 3)))
+    from dspark.drafters.base import DraftRequest
+    from dspark.decoding import make_generator
+    from dspark.models.transformer import Segment
+
+    prompt = [5, 17, 33, 2, 9]
+    cache = target.new_cache(capacity=32)
+    out = target.forward(torch.tensor(prompt), [Segment(cache, 0, len(prompt))], hidden_layers=drafter.needs_layers)
+    request = DraftRequest(tokens=prompt + [4], params=SamplingParams(temperature=1.0), generator=make_generator(0))
+    drafter.observe(request, out.hidden, len(prompt))
+    drafter.propose([request])
+    model = drafter.model
+    assert model.frozen.draft_head is None and model.frozen.full_head is None
+    h = torch.randn(3, target.config.hidden_size)
+    with torch.inference_mode():
+        reference = model.base_logits(h)  # the reference path builds its copy here
+    tol = dict(atol=0.05, rtol=0.02) if drafter.bf16 else dict(atol=1e-5, rtol=1e-5)  # bf16 head products
+    torch.testing.assert_close(drafter.draft_logits(h), reference, **tol)
+    model.requires_grad_(True)
+    x = h.clone().requires_grad_(True)
+    model.base_logits(x).logsumexp(-1).sum().backward()  # the copy made under inference mode, used with autograd
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
 def test_seeded_engine_with_draft_vocabulary():
     target = tiny_target(seed=4, scale=2.0)
     assert_seeded_engine_reproducible(target, vocab_drafter(target, list(range(0, 96, 2))))
@@ -112,8 +141,8 @@ def test_checkpoint_keeps_the_ids_in_bf16(tmp_path):
     save_drafter(tmp_path / "d", drafter.model, target, target_name="tiny", dtype=torch.bfloat16)
     loaded = load_dspark(tmp_path / "d", target)
     assert torch.equal(loaded.model.vocab_ids, drafter.model.vocab_ids)
-    assert loaded.model.frozen.draft_head.shape == (len(set(ids)), target.config.hidden_size)
-    assert torch.equal(loaded.model.frozen.draft_head, target.lm_head.weight[loaded.model.vocab_ids])
+    assert loaded.model.draft_rows().shape == (len(set(ids)), target.config.hidden_size)
+    assert torch.equal(loaded.model.draft_rows(), target.lm_head.weight[loaded.model.vocab_ids])
     from dspark.drafters.deepspec_layout import export_deepspec
     with pytest.raises(DrafterError, match="draft vocabulary"):
         export_deepspec(tmp_path / "d", tmp_path / "hf", target)

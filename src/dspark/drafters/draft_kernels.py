@@ -59,13 +59,32 @@ class FastLinear:
                  bf16: bool = False, native_rows: int | None = None):
         self.linear, self.rows = linear, rows or slice(None)
         self.version = linear.weight._version
-        weight = linear.weight.detach()[self.rows].contiguous()
+        self.weight = linear.weight.detach()[self.rows].contiguous()
         self.bias = None if linear.bias is None else linear.bias.detach()[self.rows].contiguous()
-        self.projection = Projection(weight, self.bias, packed=packed, native=native)
-        if native_rows is not None:
-            self.projection.native_rows = native_rows
+        self.packed, self.native, self.native_rows = packed, native, native_rows
         # bf16 weights from BF16_MIN_ROWS rows, and below too where the bf16 C kernel serves them (`wide.native`)
-        self.wide = bf16_projection(weight, native=native) if bf16 else None
+        self.wide = bf16_projection(self.weight, native=native) if bf16 else None
+        # fp32 product: built now, as the target's are (not on the first proposal), unless bf16 serves every row
+        self._projection = None if self.bf16_serves_all else self._fp32_projection()
+
+    @property
+    def bf16_serves_all(self) -> bool:
+        """Whether the bf16 copy serves every row count, so that no inference call needs the fp32 product."""
+        return self.wide is not None and self.wide.native
+
+    @property
+    def projection(self) -> Projection:
+        """The fp32 product; where ``bf16_serves_all``, built only when asked for (benchmarks), so its packed
+        copy of the weights (fp32: ~25 MiB of projection weights for the shipped drafter) is not made for nothing."""
+        if self._projection is None:
+            self._projection = self._fp32_projection()
+        return self._projection
+
+    def _fp32_projection(self) -> Projection:
+        projection = Projection(self.weight, self.bias, packed=self.packed, native=self.native)
+        if self.native_rows is not None:
+            projection.native_rows = self.native_rows
+        return projection
 
     def usable(self, x: torch.Tensor) -> bool:
         weight = self.linear.weight
@@ -78,7 +97,7 @@ class FastLinear:
             w = self.linear.weight[self.rows]
             return nn.functional.linear(x, w, None if self.linear.bias is None else self.linear.bias[self.rows])
         flat = x.reshape(-1, x.shape[-1])
-        if self.wide is not None and (self.wide.native or flat.shape[0] >= BF16_MIN_ROWS):
+        if self.wide is not None and (self.bf16_serves_all or flat.shape[0] >= BF16_MIN_ROWS):
             out = self.wide(flat.to(torch.bfloat16)).float()
             if self.bias is not None:
                 out += self.bias
@@ -122,7 +141,7 @@ def attach(model: nn.Module, *, packed: bool, native: bool, bf16: bool = False, 
 
 def few_rows_on_bf16_c(model: nn.Module) -> bool:
     """Whether ``attach`` routed this model's few-row products to the bf16 C kernel (their price differs)."""
-    return any(fast.wide is not None and fast.wide.native for module in model.modules()
+    return any(fast.bf16_serves_all for module in model.modules()
                for fast in module.__dict__.get("fast_linears", {}).values())
 
 

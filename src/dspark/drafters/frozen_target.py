@@ -23,6 +23,8 @@ class FrozenTarget:
     softcap: float | None
     rope: RotaryTable = field(repr=False)
     head_dtype: torch.dtype | None = None  # training: run the head products in this precision
+    # built on first use (DraftVocabMixin.draft_rows / full_rows; None: not yet): only training and the reference
+    # path read them, and for a bf16 target they are fp32 copies (144 MiB for SmolLM2) that inference never reads
     draft_head: torch.Tensor | None = field(default=None, repr=False)  # [Vd, d] the drafter's rows of lm_head
     full_head: torch.Tensor | None = field(default=None, repr=False)  # [V, d] lm_head in head_dtype
 
@@ -91,11 +93,22 @@ class DraftVocabMixin:
         return out.index_copy_(-1, self.vocab_ids.to(out.device), probs)
 
     def _refresh_heads(self) -> None:
+        """Forget the head copies: the next draft_rows / full_rows builds them from the current ids and dtype."""
+        self.frozen.draft_head = self.frozen.full_head = None
+
+    def draft_rows(self) -> torch.Tensor:
+        """[Vd, d]: the drafter's rows of the target's LM head in the head dtype (fp32 unless set_head_dtype)."""
         f = self.frozen
-        dt = f.head_dtype or torch.float32
-        rows = f.lm_head if self.vocab_ids is None else f.lm_head[self.vocab_ids.to(f.lm_head.device)]
-        f.draft_head = rows.to(dt)
-        f.full_head = f.lm_head.to(dt)
+        if f.draft_head is None:
+            f.draft_head = _head_copy(f.lm_head, self.vocab_ids, f.head_dtype)
+        return f.draft_head
+
+    def full_rows(self) -> torch.Tensor:
+        """[V, d]: the target's whole LM head in the head dtype (training targets)."""
+        f = self.frozen
+        if f.full_head is None:
+            f.full_head = _head_copy(f.lm_head, None, f.head_dtype)
+        return f.full_head
 
     def set_head_dtype(self, dtype: torch.dtype) -> None:
         """Run the frozen LM-head products in `dtype` (training: bf16 halves the dominant cost on CPU; the
@@ -106,7 +119,7 @@ class DraftVocabMixin:
     def base_logits(self, h: torch.Tensor, full: bool = False) -> torch.Tensor:
         """h: [..., d] -> U: [..., Vd] fp32 through the drafter's rows of the frozen target LM head (softcap
         included); full=True: all V rows (the target's own distribution, for training targets)."""
-        head = self.frozen.full_head if full else self.frozen.draft_head
+        head = self.full_rows() if full else self.draft_rows()
         logits = F.linear(h.to(head.dtype), head).float()
         cap = self.frozen.softcap
         return torch.tanh(logits / cap) * cap if cap else logits
@@ -121,6 +134,14 @@ class DraftVocabMixin:
         return x * self.frozen.embed_scale if self.frozen.embed_scale is not None else x
 
 
+def _head_copy(lm_head: torch.Tensor, ids: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor:
+    """lm_head's rows `ids` (None: all) in `dtype` (None: fp32). Made outside inference mode even when first asked
+    for inside it: training may later read the copy with autograd on."""
+    with torch.inference_mode(False), torch.no_grad():
+        rows = lm_head if ids is None else lm_head[ids.to(lm_head.device)]
+        return rows.to(dtype or torch.float32)
+
+
 def inference_head(model: DraftVocabMixin, target, bf16: bool = False):
     """The drafter's LM head for inference: h [..., d] -> fp32 logits [..., Vd]. Without a draft vocabulary it is
     the target's own head; with one, the draft rows through the same kernel as the target's head (pre-packed
@@ -133,12 +154,9 @@ def inference_head(model: DraftVocabMixin, target, bf16: bool = False):
     cap = target.config.final_logit_softcap
     if model.vocab_ids is None and not bf16:
         return lambda h: target.lm_logits(h.reshape(-1, h.shape[-1]).to(target.dtype)).view(*h.shape[:-1], -1)
-    if model.vocab_ids is None:
-        rows = target.lm_head.weight
-    else:
-        rows = model.frozen.draft_head  # [Vd, d], gathered once at load (training's head_dtype may differ)
-        if rows.dtype != target.dtype:
-            rows = target.lm_head.weight[model.vocab_ids.to(target.device)]
+    rows = target.lm_head.weight  # in the target's dtype: the head's products run there
+    if model.vocab_ids is not None:
+        rows = rows[model.vocab_ids.to(target.device)]  # [Vd, d]
     if bf16:
         head, dtype = bf16_projection(rows), torch.bfloat16
     else:
