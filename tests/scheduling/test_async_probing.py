@@ -40,7 +40,7 @@ def test_confirm_reprobes_a_thin_promising_pool_before_drafting_for_every_reques
         return AsyncPolicy(_priced_for(4), min_gain=0.1, pool_requests=8, probe_every=2, max_age=4, **kw)
 
     strong_after_start = lambda step, probing: 0.1 if step < 2 else 0.9  # noqa: E731
-    plain = _serve(policy(), 4, 10, strong_after_start)
+    plain = _serve(policy(confirm=0), 4, 10, strong_after_start)
     confirmed = _serve(policy(confirm=1), 4, 10, strong_after_start)
     # steps 0-1: no history (Algorithm 1, all drafted); 2-3 weak: skipped; 4: the probe (two requests)
     assert plain[:6] == confirmed[:6] == [(None, 4), (None, 4), (0, 0), (0, 0), (None, 2), (0, 0)]
@@ -57,7 +57,7 @@ def test_confirm_that_turns_weak_keeps_the_drafter_off():
         return AsyncPolicy(_priced_for(4), min_gain=0.1, pool_requests=8, probe_every=2, max_age=4, **kw)
 
     lucky_once = lambda step, probing: 0.45 if step == 4 else 0.05  # noqa: E731
-    plain, confirmed = _serve(policy(), 4, 14, lucky_once), _serve(policy(confirm=1), 4, 14, lucky_once)
+    plain, confirmed = _serve(policy(confirm=0), 4, 14, lucky_once), _serve(policy(confirm=1), 4, 14, lucky_once)
     assert plain[6:8] == [(12, 4), (12, 4)]  # two steps draft all four on the lucky rows
     assert confirmed[6] == (None, 2) and all(n <= 2 for _, n in confirmed[2:])  # no step drafts all four
 
