@@ -136,7 +136,7 @@ typedef v8i vwi;
 typedef v8h vwh;
 static inline vw maddw(vw acc, vw a, vw b) { return madd(acc, a, b); }
 static inline v8 fold(vw a) { return a; }
-static inline vw splatw(float f) { return (vw){f, f, f, f, f, f, f, f}; }
+static inline vw splatw(float f) { return splat(f); }
 static inline vw widenw(const bf16 *src) { return (vw)(__builtin_convertvector(*(const vwh *)src, vwi) << 16); }
 #endif
 
@@ -267,7 +267,8 @@ static void weigh(const float *p, int nb, const void *vc, long first, long span,
   BY_ROWS(WIDTHS, nb, bf);
 #undef WIDTHS
 #undef WEIGH
-  for (int r = 0; r < nb && nw < hd; r++)  /* a head size not a multiple of W: the last dimensions one by one */
+  if (nw == hd) return;  /* else a pass over the keys for nothing: a store-forwarding chain per key (perf, s47) */
+  for (int r = 0; r < nb; r++)  /* a head size not a multiple of W: the last dimensions one by one */
     for (long j = 0; j < span; j++)
       for (long d = nw; d < hd; d++) acc[r * hd + d] += p[r * span + j] * load1(vc, (first + j) * hd + d, bf);
 }
