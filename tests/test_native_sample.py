@@ -118,3 +118,69 @@ def test_kernel_draws_follow_the_distribution_chi_square():
     observed = torch.cat([counts[heavy], counts[rest].sum().view(1)])
     expected = torch.cat([probs[heavy].double(), probs[rest].double().sum().view(1)]) * n
     assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue > 1e-3
+
+
+def next_token_case(seed: int, q_kind: str, vocab: int = 64 * CDF_BLOCK, R: int = 24, gamma: int = 4):
+    """A verified step's tensors as verify hands them to draw_next: target rows [R, γ+1, V] (spread, top-p-truncated
+    and one-token rows), draft rows [R, γ, V] ("dist"; a few equal to the target's row at their slot, which leaves no
+    residual mass) or point masses on the drafts ("point"; some on a token the target gives all its mass), accepted
+    and rejected per row, uniforms next to 1 on some rows."""
+    g = torch.Generator().manual_seed(seed)
+    rows, u = awkward_rows(rows=R * (gamma + 1), vocab=vocab, seed=seed)
+    target = rows[torch.randperm(len(rows), generator=g)].view(R, gamma + 1, vocab)
+    accepted = torch.randint(0, gamma + 1, (R,), generator=g)
+    rejected = (accepted < gamma) & (torch.rand(R, generator=g) < 0.7)
+    drafts = torch.randint(0, vocab, (R, gamma), generator=g)
+    q = None
+    if q_kind == "dist":
+        q = torch.softmax(torch.randn(R, gamma, vocab, generator=g) * 3, -1)
+        for r in range(0, R, 5):
+            k = min(int(accepted[r]), gamma - 1)
+            q[r, k] = target[r, k]  # p == q: the rejection had probability 0
+    else:
+        for r in range(0, R, 3):
+            k = min(int(accepted[r]), gamma - 1)
+            drafts[r, k] = int(target[r, k].argmax())
+        k = min(int(accepted[0]), gamma - 1)
+        target[0, k] = 0.0
+        target[0, k, 7] = 1.0
+        drafts[0, k], rejected[0] = 7, bool(accepted[0] < gamma)  # the target's only token: p - 1 leaves nothing
+    return drafts, q, target, accepted, rejected, u[:R]
+
+
+@pytest.mark.parametrize("q_kind", ["dist", "point"])
+def test_next_token_draw_equals_the_torch_reference(q_kind):
+    """verify's draw after the accepted drafts (residual where a draft was rejected, else the bonus) in one C call
+    gives the tokens of the torch reference — the residual rows gathered, computed and drawn by sample_from — on
+    contiguous, sliced and broadcast tensors, and a row's token whatever shares its call."""
+    import importlib
+
+    verify_module = importlib.import_module("dspark.decoding.verify")  # the module; the package exports its function
+    assert verify_module.native_sample.next_kernel() is not None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 24 rows: the kernel splits them across threads
+    try:
+        check_next_token_draws(verify_module, q_kind)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_next_token_draws(verify_module, q_kind):
+    for seed in range(3):
+        drafts, q, target, accepted, rejected, u = next_token_case(seed, q_kind)
+        want = verify_module._draw_next_reference(drafts, q, target, accepted, rejected, u)
+        got = verify_module.draw_next(drafts, q, target, accepted, rejected, u)
+        assert torch.equal(got, want)
+        alone = torch.cat([verify_module.draw_next(drafts[r:r + 1], None if q is None else q[r:r + 1],
+                                                   target[r:r + 1], accepted[r:r + 1], rejected[r:r + 1], u[r:r + 1])
+                           for r in range(len(u))])
+        assert torch.equal(got, alone)
+        width = 2  # views of a wider buffer, as verify_requests hands them over
+        keep = accepted <= width
+        narrow = [t[keep] for t in (drafts, accepted, rejected & (accepted < width), u)]
+        args = (narrow[0][:, :width], None if q is None else q[keep][:, :width], target[keep][:, :width + 1],
+                narrow[1], narrow[2], narrow[3])
+        assert torch.equal(verify_module.draw_next(*args), verify_module._draw_next_reference(*args))
+    p = target[0].expand(8, *target.shape[1:])  # stride 0 over requests, as tests broadcast one law
+    args = (drafts[:8], None if q is None else q[0].expand(8, *q.shape[1:]), p, accepted[:8], rejected[:8], u[:8])
+    assert torch.equal(verify_module.draw_next(*args), verify_module._draw_next_reference(*args))

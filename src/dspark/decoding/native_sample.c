@@ -12,6 +12,7 @@
  * or block of zero mass adds nothing to the running totals, so it never holds the threshold. No -ffast-math.
  */
 #include <math.h>
+#include <stdlib.h>
 
 #define BLOCK 256
 #define LANES 32
@@ -57,6 +58,36 @@ void dspark_sample_blocks(const float *probs, long R, long V, long stride, const
   for (long r = 0; r < R; r++) {
     double cdf[nb]; /* a few KB of stack: 192 blocks for 49,152 tokens */
     tokens[r] = sample_row(probs + r * stride, nb, u[r], cdf);
+  }
+}
+
+/* The token after a verified block (decoding/verify.py's draw_next), one row per request: where the request
+ * rejected a draft, a draw from max(0, p − q) (q: its draft distribution at that slot, or a point mass on the
+ * draft where point[r] >= 0), or from p itself where that leaves no mass; else a draw from p (the bonus). The
+ * residual is written out in fp32 exactly as torch's (p - q).clamp(min=0) and drawn by sample_row, so the token is
+ * the one sample_from picks from torch's residual row; the rows are found by offsets, so nothing is gathered. */
+void dspark_sample_next(const float *p, const long *p_off, const float *q, const long *q_off, const long *point,
+                        long R, long V, const double *u, long *tokens, int threads) {
+  const long nb = V / BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads) if (R >= PARALLEL_ROWS)
+  for (long r = 0; r < R; r++) {
+    double cdf[nb];
+    const float *pr = p + p_off[r];
+    const float *qr = q != 0 && q_off[r] >= 0 ? q + q_off[r] : 0;
+    if (qr == 0 && point[r] < 0) {
+      tokens[r] = sample_row(pr, nb, u[r], cdf);
+      continue;
+    }
+    float *w = malloc(V * sizeof(float));
+    if (w == 0) { tokens[r] = -2; continue; } /* the caller raises */
+    int mass = 0;
+    for (long i = 0; i < V; i++) {
+      const float d = pr[i] - (qr != 0 ? qr[i] : (i == point[r] ? 1.0f : 0.0f));
+      w[i] = d > 0.0f ? d : 0.0f;
+      mass |= d > 0.0f;
+    }
+    tokens[r] = sample_row(mass ? w : pr, nb, u[r], cdf); /* no residual mass: rejection had probability 0 */
+    free(w);
   }
 }
 

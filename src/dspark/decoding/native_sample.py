@@ -69,6 +69,62 @@ def sample_blocks(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return _call(kernel(), probs, uniforms)
 
 
+def sample_next(probs: torch.Tensor, p_off: torch.Tensor, q: torch.Tensor | None, q_off: torch.Tensor,
+                point: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor | None:
+    """The token after each verified block (native_sample.c's dspark_sample_next; verify.draw_next's fast path), or
+    None where the kernel cannot serve: probs / q fp32 CPU tensors whose last dimension is contiguous, rows found at
+    the element offsets p_off / q_off [R] (q_off −1: no draft row), point [R] a point-mass draft token or −1."""
+    fn = next_kernel()
+    vocab = probs.shape[-1]
+    if fn is None or vocab % BLOCK or not all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu"
+                                                             and t.stride(-1) == 1 and not t.requires_grad)
+                                              for t in (probs, q)):
+        return None
+    p_off, q_off, point = (o.to(torch.int64).contiguous() for o in (p_off, q_off, point))  # alive through the call
+    u = uniforms.to(torch.float64).contiguous()
+    tokens = torch.empty(len(u), dtype=torch.int64)
+    fn(probs.data_ptr(), p_off.data_ptr(), None if q is None else q.data_ptr(), q_off.data_ptr(), point.data_ptr(),
+       len(u), vocab, u.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
+    if bool((tokens < 0).any()):
+        raise MemoryError("native_sample: no memory for a residual row")
+    return tokens
+
+
+@functools.cache
+def next_kernel(cache_dir: str | None = None):
+    """dspark_sample_next, or None where the library did not build or its two-level draw failed its self-check."""
+    if kernel(cache_dir) is None:
+        return None
+    fn = native.load_function(SOURCE, "dspark_sample_next", cache_dir)
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_int]
+    fn.restype = None
+    return fn if _next_self_check(fn) else None
+
+
+def _next_self_check(fn) -> bool:
+    """Rows 0-2 rejected (a draft distribution, a point mass, and q = p: no residual mass), row 3 the bonus: the
+    tokens the two-level draw picks from torch's residual rows."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(4, 16 * BLOCK, generator=g) * 3, -1)
+    q = torch.softmax(torch.randn(4, 16 * BLOCK, generator=g) * 3, -1)
+    q[2] = p[2]
+    point = torch.tensor([-1, int(p[1].argmax()), -1, -1])
+    u = torch.rand(4, generator=g, dtype=torch.float64)
+    residual = (p - q).clamp(min=0)
+    residual[1] = p[1]
+    residual[1, point[1]] = (p[1, point[1]] - 1).clamp(min=0)
+    want = _call(kernel(), torch.stack([residual[0], residual[1], p[2], p[3]]), u)
+    p_off = torch.arange(4) * p.shape[1]
+    q_off = torch.where(torch.tensor([True, False, True, False]), p_off, -1)
+    tokens = torch.empty(4, dtype=torch.int64)
+    fn(p.data_ptr(), p_off.data_ptr(), q.data_ptr(), q_off.data_ptr(), point.data_ptr(), 4, p.shape[1], u.data_ptr(),
+       tokens.data_ptr(), 1)
+    return torch.equal(tokens, want)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The greedy draw: torch.argmax over the last dimension, in one C call (native_sample.c's dspark_argmax_rows).
 

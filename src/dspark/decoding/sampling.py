@@ -254,7 +254,7 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     lands on the first token whose cumulative mass exceeds the threshold.
     """
     rows, vocab = probs.shape
-    if vocab % CDF_BLOCK or vocab < 16 * CDF_BLOCK:  # by the vocabulary alone: never by how many rows share a call
+    if not by_blocks(vocab):
         cdf = probs.double().cumsum(-1)  # fp64 so the top of the CDF is not lost to rounding
         threshold = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)  # [R, 1]
         tokens = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
@@ -262,6 +262,12 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     if native_sample.usable(probs):  # the same two-level search in one C call (native_sample.py)
         return native_sample.sample_blocks(probs, uniforms)
     return _sample_by_blocks(probs, uniforms)
+
+
+def by_blocks(vocab: int) -> bool:
+    """Whether sample_from searches blocks of CDF_BLOCK tokens (else one fp64 CDF): by the vocabulary alone, never
+    by how many rows share a call, so a row's token does not depend on its neighbours."""
+    return vocab % CDF_BLOCK == 0 and vocab >= 16 * CDF_BLOCK
 
 
 def _sample_by_blocks(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

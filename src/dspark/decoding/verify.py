@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import greedy_tokens, sample_from
+from . import native_sample
+from .sampling import by_blocks, greedy_tokens, sample_from
 
 
 @dataclass
@@ -32,9 +33,8 @@ class VerifyResult:
 def draw_uniforms(generators: list[torch.Generator], num_draft: torch.Tensor, gamma: int) -> torch.Tensor:
     """[R, γ+1] uniforms; request r consumes exactly ℓ_r + 1 draws of its own generator."""
     u = torch.zeros(len(generators), gamma + 1, dtype=torch.float64)
-    for r, g in enumerate(generators):
-        n = int(num_draft[r]) + 1
-        u[r, :n] = torch.rand(n, generator=g, dtype=torch.float64)
+    for r, (g, n) in enumerate(zip(generators, num_draft.tolist())):  # drawn in place: the same stream, no copies
+        torch.rand(n + 1, generator=g, dtype=torch.float64, out=u[r, : n + 1])
     return u
 
 
@@ -66,7 +66,10 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
     drives the replacement or bonus draw); stop_ids: [S] tokens that end a request.
     """
     R, gamma = draft_tokens.shape
-    vocab = target_probs.shape[-1]
+    if gamma == 0:  # nothing verified (most requests of a busy step): the rule below reduces to one draw from p_1
+        return VerifyResult(accepted=torch.zeros(R, dtype=torch.long),
+                            next_token=sample_from(target_probs[:, 0], uniforms[:, 0]),
+                            stopped=torch.zeros(R, dtype=torch.bool))
     slots = torch.arange(gamma)
     p_x = target_probs[:, :gamma].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).double()  # [R, γ]
     q_x = (torch.ones_like(p_x) if draft_probs is None
@@ -79,24 +82,48 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
     stopped = stop_hit.any(-1)
     accepted = torch.where(stopped, _leading_false(stop_hit) + 1, accepted)
 
-    rows = torch.arange(R)
+    # Slot ℓ_r is never used by an acceptance test. Reusing the rejecting slot's uniform would be a bug:
+    # a rejection means that uniform was large, which would skew the replacement toward late CDF tokens.
+    u_next = uniforms[torch.arange(R), num_draft]
+    next_token = draw_next(draft_tokens, draft_probs, target_probs, accepted, accepted < num_draft, u_next)
+    next_token = torch.where(stopped, torch.full_like(next_token, -1), next_token)
+    return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
+
+
+def draw_next(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+              accepted: torch.Tensor, rejected: torch.Tensor, u_next: torch.Tensor) -> torch.Tensor:
+    """[R] each request's token after its accepted drafts: from the residual where it rejected one, else the bonus.
+    One C call where sample_from would search blocks (native_sample.sample_next: the residual is written and
+    searched row by row, nothing gathered; ~10 torch calls fewer at one request), else `_draw_next_reference`,
+    which it equals bit for bit (tests/test_native_sample.py)."""
+    R, vocab = len(accepted), target_probs.shape[-1]
+    if by_blocks(vocab):
+        rows = torch.arange(R)
+        p_off = rows * target_probs.stride(0) + accepted * target_probs.stride(1)
+        at = accepted.clamp(max=max(draft_tokens.shape[1] - 1, 0))  # a rejected row's slot (others: unread)
+        q_off = (torch.full((R,), -1) if draft_probs is None
+                 else torch.where(rejected, rows * draft_probs.stride(0) + at * draft_probs.stride(1), -1))
+        point = torch.where(rejected, draft_tokens[rows, at], -1) if draft_probs is None else torch.full((R,), -1)
+        tokens = native_sample.sample_next(target_probs, p_off, draft_probs, q_off, point, u_next)
+        if tokens is not None:
+            return tokens
+    return _draw_next_reference(draft_tokens, draft_probs, target_probs, accepted, rejected, u_next)
+
+
+def _draw_next_reference(draft_tokens, draft_probs, target_probs, accepted, rejected, u_next) -> torch.Tensor:
+    """draw_next in torch: the residual rows gathered and computed in full, then one sample_from."""
     p_next = _next_rows(target_probs, accepted)  # [R, V]: residual base (rejected) or bonus distribution
-    rej = (accepted < num_draft).nonzero().squeeze(-1)  # [J] the rows that rejected a draft
+    rej = rejected.nonzero().squeeze(-1)  # [J] the rows that rejected a draft
     if len(rej):
         at = accepted[rej]  # the rejected slot of each
-        q_next = (_point_mass(draft_tokens[rej, at], vocab) if draft_probs is None
+        q_next = (_point_mass(draft_tokens[rej, at], target_probs.shape[-1]) if draft_probs is None
                   else draft_probs[rej, at])  # [J, V]
         base = p_next[rej]  # [J, V]
         residual = (base - q_next).clamp_(min=0)
         # p == q leaves no residual mass; rejection then had probability 0, so fall back to p harmlessly.
         empty = residual.amax(-1) <= 0  # [J]
         p_next[rej] = torch.where(empty.unsqueeze(-1), base, residual)
-    # Slot ℓ_r is never used by an acceptance test. Reusing the rejecting slot's uniform would be a bug:
-    # a rejection means that uniform was large, which would skew the replacement toward late CDF tokens.
-    u_next = uniforms[rows, num_draft]
-    next_token = sample_from(p_next, u_next)
-    next_token = torch.where(stopped, torch.full_like(next_token, -1), next_token)
-    return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
+    return sample_from(p_next, u_next)
 
 
 def _next_rows(target_probs: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:

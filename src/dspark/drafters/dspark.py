@@ -166,8 +166,11 @@ class DSparkDrafter(BatchFirstDrafter):
     @staticmethod
     def _uniforms(requests) -> torch.Tensor:
         # Greedy slots are one-hot, so any uniform picks the argmax; don't spend the request's randomness.
-        return torch.cat([torch.full((1,), 0.5, dtype=torch.float64) if r.params.greedy
-                          else torch.rand(1, generator=r.generator, dtype=torch.float64) for r in requests])
+        u = torch.full((len(requests),), 0.5, dtype=torch.float64)
+        for i, r in enumerate(requests):
+            if not r.params.greedy:
+                torch.rand(1, generator=r.generator, dtype=torch.float64, out=u[i: i + 1])  # in place, same stream
+        return u
 
     def _calibrate(self, logits: torch.Tensor | None) -> torch.Tensor | None:
         if logits is None:
