@@ -304,3 +304,28 @@ def test_rows_of_one_logits_tensor_skip_the_copies_and_keep_their_bits(two_threa
         if width:
             assert _table_run((table, starts), [b[:-1] for b in blocks], everyone, width) is None  # fewer rows
         assert _table_run(None, blocks, everyone, width) is None  # no table
+
+
+def test_accepted_runs_equal_the_tensor_rule():
+    """verify's accepted-run loop against the rule in tensor form (leading run of accepts among the first ℓ_r,
+    cut after the first accepted stop token), on random acceptances, lengths and stop masks."""
+    from dspark.decoding.verify import _accepted_runs
+
+    g = torch.Generator().manual_seed(3)
+    for gamma in (0, 1, 4, 7):
+        R = 50
+        ok = torch.rand(R, gamma, generator=g) < 0.7
+        num = torch.randint(0, gamma + 1, (R,), generator=g)
+        stop = torch.rand(R, gamma, generator=g) < 0.15
+        slots = torch.arange(gamma)
+        want = (ok & (slots < num.unsqueeze(1))).long().cumprod(-1).sum(-1)
+        hit = stop & (slots < want.unsqueeze(1))
+        want_stopped = hit.any(-1)
+        want = torch.where(want_stopped, (~hit).long().cumprod(-1).sum(-1) + 1, want)
+        for stops in (stop, None):
+            accepted, stopped = _accepted_runs(ok.tolist(), num.tolist(), None if stops is None else stops.tolist())
+            if stops is None:
+                plain = (ok & (slots < num.unsqueeze(1))).long().cumprod(-1).sum(-1)
+                assert torch.equal(accepted, plain) and not stopped.any()
+            else:
+                assert torch.equal(accepted, want) and torch.equal(stopped, want_stopped)

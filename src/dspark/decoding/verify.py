@@ -51,9 +51,30 @@ def _stop_mask(tokens: torch.Tensor, stop_ids: torch.Tensor | None) -> torch.Ten
     return torch.isin(tokens, stop_ids)
 
 
-def _leading_false(mask: torch.Tensor) -> torch.Tensor:
-    """[R, γ] bool -> [R] index of the first True (γ if none); works for γ = 0."""
-    return (~mask).long().cumprod(-1).sum(-1)
+def _stop_rows(tokens: torch.Tensor, stop_ids: torch.Tensor | None) -> list[list[bool]] | None:
+    """_stop_mask as lists (None: no stop tokens)."""
+    if stop_ids is None or (stop_ids.dtype != torch.bool and stop_ids.numel() == 0):
+        return None
+    return _stop_mask(tokens, stop_ids).tolist()
+
+
+def _accepted_runs(ok: list[list[bool]], num_draft: list[int], stops: list[list[bool]] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([R] drafts kept, [R] stopped): each request's leading run of accepted drafts among its first ℓ_r, cut after
+    the first accepted stop token (invariant 4: nothing after it, no bonus). A loop over at most R·γ Python values:
+    right after a target forward each small torch op costs 10-60 µs on the dev CPUs, so the tensor form of this
+    (cumprod, isin, where, ...) took ~0.3 ms a batch-1 round (scripts/verify_cost.py)."""
+    accepted, stopped = [], []
+    for r, n in enumerate(num_draft):
+        a, hit = 0, False
+        while a < n and ok[r][a]:
+            a += 1
+            if stops is not None and stops[r][a - 1]:
+                hit = True
+                break
+        accepted.append(a)
+        stopped.append(hit)
+    return torch.tensor(accepted, dtype=torch.long), torch.tensor(stopped, dtype=torch.bool)
 
 
 def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
@@ -70,18 +91,12 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
         return VerifyResult(accepted=torch.zeros(R, dtype=torch.long),
                             next_token=sample_from(target_probs[:, 0], uniforms[:, 0]),
                             stopped=torch.zeros(R, dtype=torch.bool))
-    slots = torch.arange(gamma)
     p_x = target_probs[:, :gamma].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).double()  # [R, γ]
-    q_x = (torch.ones_like(p_x) if draft_probs is None
+    q_x = (None if draft_probs is None
            else draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).double())
     # u < p/q written as u·q < p: exact for q = 1 and never accepts a token the target gives zero mass.
-    ok = (uniforms[:, :gamma] * q_x < p_x) & (slots < num_draft.unsqueeze(1))  # [R, γ]
-    accepted = ok.long().cumprod(-1).sum(-1)  # [R] length of the leading run of accepts
-    # Invariant 4: an accepted stop token ends the request; nothing after it, no bonus.
-    stop_hit = _stop_mask(draft_tokens, stop_ids) & (slots < accepted.unsqueeze(1))
-    stopped = stop_hit.any(-1)
-    accepted = torch.where(stopped, _leading_false(stop_hit) + 1, accepted)
-
+    ok = (uniforms[:, :gamma] < p_x) if q_x is None else (uniforms[:, :gamma] * q_x < p_x)  # [R, γ]
+    accepted, stopped = _accepted_runs(ok.tolist(), num_draft.tolist(), _stop_rows(draft_tokens, stop_ids))
     # Slot ℓ_r is never used by an acceptance test. Reusing the rejecting slot's uniform would be a bug:
     # a rejection means that uniform was large, which would skew the replacement toward late CDF tokens.
     u_next = uniforms[torch.arange(R), num_draft]
@@ -148,13 +163,10 @@ def accept_greedy(draft_tokens: torch.Tensor, best: torch.Tensor, num_draft: tor
                   stop_ids: torch.Tensor | None = None) -> VerifyResult:
     """`verify_greedy` given the target's argmax tokens best: [R, γ+1] (callers holding ragged logits take each
     request's argmax without first copying them into one padded [R, γ+1, V] buffer)."""
-    R, gamma = draft_tokens.shape
-    slots = torch.arange(gamma)
-    ok = (best[:, :gamma] == draft_tokens) & (slots < num_draft.unsqueeze(1))
-    accepted = ok.long().cumprod(-1).sum(-1)
-    stop_hit = _stop_mask(draft_tokens, stop_ids) & (slots < accepted.unsqueeze(1))
-    stopped = stop_hit.any(-1)
-    accepted = torch.where(stopped, _leading_false(stop_hit) + 1, accepted)
-    next_token = best[torch.arange(R), accepted]
-    next_token = torch.where(stopped, torch.full_like(next_token, -1), next_token)
+    gamma = draft_tokens.shape[1]
+    top = best.tolist()
+    ok = (best[:, :gamma] == draft_tokens).tolist() if gamma else [[] for _ in top]
+    accepted, stopped = _accepted_runs(ok, num_draft.tolist(), _stop_rows(draft_tokens, stop_ids) if gamma else None)
+    next_token = torch.tensor([-1 if hit else row[a] for row, a, hit in zip(top, accepted.tolist(), stopped.tolist())],
+                              dtype=torch.long)
     return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
