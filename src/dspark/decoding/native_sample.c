@@ -14,6 +14,8 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "native_simd.h"
+
 #define BLOCK 256
 #define LANES 32
 #define PARALLEL_ROWS 8 /* below this the threads cost more than the rows */
@@ -89,6 +91,116 @@ void dspark_sample_next(const float *p, const long *p_off, const float *q, const
     tokens[r] = sample_row(mass ? w : pr, nb, u[r], cdf); /* no residual mass: rejection had probability 0 */
     free(w);
   }
+}
+
+/* A DSpark block's Markov-head draws in one call (drafters/markov_draws.py): slot k's logits are U_k + W1[x_{k-1}]·W2ᵀ,
+ * x_{k-1} the token drawn at slot k-1 (the anchor before slot 1), so the γ slots run in turn. Per slot: the rows'
+ * W1 entries gathered (rounded to bf16 where W2 is bf16, as the torch path's .to(bfloat16)), one product through
+ * the projection kernel the caller passes (models/native_linear.c, the one the torch path calls for one or two
+ * rows, so there its bias is the same bits), the bias added to U_k in fp32, then per row the greedy argmax
+ * (argmax_row, below) or, sampled, softmax(logits / T) written to probs — the distribution kept for verification —
+ * and a two-level draw from exactly that row (sample_row). The softmax's exp is exp_poly (Cephes' expf: a few ulp
+ * from torch's), so a sampled q moves by float rounding from the torch path's: lossless either way, as verification
+ * reads the q that was drawn from. Replaces ~9 torch calls a slot (each 10-60 µs right after a target forward). */
+typedef void (*linear_fn)(const void *x, long M, const void *w, const void *bias, long N, long K, void *y, int threads);
+static long argmax_row(const float *x, long V);
+
+/* e^x for x <= 0 (a softmax's shifted logits), 16 lanes: Cephes' expf (n = floor(x·log2 e + 1/2), x − n·ln 2 in two
+ * parts, a degree-6 polynomial, 2^n from the exponent bits); below -87.3 it is 0. GCC's vector extensions, so it
+ * needs no libm call and no -ffast-math to be vectorised. */
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef int vi __attribute__((vector_size(64)));
+
+static inline vf select_vf(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+static inline vf exp_neg(vf x) {
+  const vf zero = {0}, lo = zero - 87.33654f;
+  const vi under = x < lo;
+  const vf xc = select_vf(under, lo, x);
+  const vf y = xc * 1.44269504088896341f + 0.5f;
+  vi t = __builtin_convertvector(y, vi); /* toward zero; then down to the floor where that rounded up */
+  t += (vi)(__builtin_convertvector(t, vf) > y);
+  const vf n = __builtin_convertvector(t, vf);
+  vf r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vf scale = (vf)((t + 127) << 23); /* n >= -126 here: a normal power of two */
+  return (vf)((vi)(p * scale) & ~under);
+}
+
+/* softmax(z / t) into p [V], V a multiple of 16 (t == 1: z itself, as sampling._tempered); the max and the sum
+ * lane-wise, the sum's lanes then added in one fixed tree */
+static void softmax_row(const float *z, float t, float *p, long V) {
+  const vf zero = {0};
+  vf mx = zero - INFINITY;
+  for (long j = 0; j < V; j += 16) {
+    const vf x = t == 1.0f ? *(const vf *)(z + j) : *(const vf *)(z + j) / t;
+    *(vf *)(p + j) = x;
+    mx = select_vf(x > mx, x, mx);
+  }
+  float m = mx[0];
+  for (int l = 1; l < 16; l++) m = mx[l] > m ? mx[l] : m;
+  vf acc = zero;
+  for (long j = 0; j < V; j += 16) {
+    const vf e = exp_neg(*(const vf *)(p + j) - m);
+    *(vf *)(p + j) = e;
+    acc += e;
+  }
+  float lanes[16];
+  memcpy(lanes, &acc, sizeof lanes);
+  for (int w = 8; w > 0; w /= 2)
+    for (int l = 0; l < w; l++) lanes[l] += lanes[l + w];
+  const float inv = 1.0f / lanes[0];
+  for (long j = 0; j < V; j++) p[j] *= inv;
+}
+
+/* base [R, g, Vd] (row r, slot k at base + r*bs0 + k*bs1), w1 [V, r] fp32, w2 [Vd, r] (bf: bf16, else fp32),
+ * vocab_ids [Vd] draft -> target ids or NULL, anchor [R] target ids, temperature [R] (0: greedy), u [R, g],
+ * probs [R, g, Vd] (row r, slot k at probs + r*ps0 + k*ps1) or NULL when every row is greedy, tokens [R, g] out
+ * (target ids). Returns 0, or -1 when out of memory (nothing useful written). */
+int dspark_markov_draws(const float *base, long bs0, long bs1, const float *w1, long rank, const void *w2, int bf,
+                        linear_fn linear, const long *vocab_ids, const long *anchor, const float *temperature,
+                        const double *u, float *probs, long ps0, long ps1, long *tokens, long R, long g, long Vd,
+                        int threads) {
+  const long nb = Vd / BLOCK, esize = bf ? 2 : 4;
+  unsigned char *x = malloc(R * rank * esize), *y = malloc(R * Vd * esize);
+  float *z = malloc(R * Vd * sizeof(float));
+  long *prev = malloc(R * sizeof(long));
+  if (!x || !y || !z || !prev) { free(x); free(y); free(z); free(prev); return -1; }
+  for (long r = 0; r < R; r++) prev[r] = anchor[r];
+  for (long k = 0; k < g; k++) {
+    for (long r = 0; r < R; r++)
+      for (long i = 0; i < rank; i++) {
+        const float e = w1[prev[r] * rank + i];
+        if (bf) ((bf16 *)x)[r * rank + i] = narrow(e); else ((float *)x)[r * rank + i] = e;
+      }
+    linear(x, R, w2, 0, Vd, rank, y, threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (R >= 4)
+    for (long r = 0; r < R; r++) {
+      const float *b = base + r * bs0 + k * bs1;
+      float *zr = z + r * Vd;
+      for (long j = 0; j < Vd; j++)
+        zr[j] = b[j] + (bf ? widen1(((const bf16 *)y)[r * Vd + j]) : ((const float *)y)[r * Vd + j]);
+      float *pr = probs ? probs + r * ps0 + k * ps1 : 0;
+      long d;
+      if (temperature[r] == 0.0f) {
+        d = argmax_row(zr, Vd);
+        if (pr) { memset(pr, 0, Vd * sizeof(float)); pr[d] = 1.0f; }
+      } else {
+        double cdf[nb];
+        softmax_row(zr, temperature[r], pr, Vd);
+        d = sample_row(pr, nb, u[r * g + k], cdf);
+      }
+      tokens[r * g + k] = prev[r] = vocab_ids ? vocab_ids[d] : d;
+    }
+  }
+  free(x); free(y); free(z); free(prev);
+  return 0;
 }
 
 /* The greedy draw: each row's first index of its maximum, as torch.argmax (a NaN counts as the maximum, so a row

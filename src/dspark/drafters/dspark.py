@@ -22,6 +22,7 @@ import torch
 
 from ..decoding.sampling import greedy_tokens, sample_from, to_probs
 from ..models.transformer import Transformer
+from . import markov_draws
 from .base import BatchFirstDrafter, DraftRequest, DrafterError, Proposal, register_drafter
 from .dspark_checkpoint import load_calibration, load_drafter_model
 from .dspark_context import DraftContext
@@ -66,7 +67,8 @@ class DSparkDrafter(BatchFirstDrafter):
         a = self.model.arch
         return (f"{a.drafter_type}-g{self.gamma}-L{a.num_layers}-{a.head}{a.rank}-v{self.model.draft_vocab_size}"
                 f"{'-conf' if a.confidence else ''}{'-k' if self.kernels else ''}"
-                f"{'-bf16' if self.bf16 else ''}{'c' if self.bf16_c else ''}")  # kernels and precision: its price
+                f"{'-bf16' if self.bf16 else ''}{'c' if self.bf16_c else ''}"  # kernels and precision: its price
+                f"{markov_draws.price_tag(self.model)}")
 
     # ------------------------------------------------------------------------------------------------
     def context(self, request: DraftRequest) -> DraftContext:
@@ -137,13 +139,16 @@ class DSparkDrafter(BatchFirstDrafter):
         tokens = torch.empty(R, gamma + 1, dtype=torch.long)  # column 0: the anchor, the token before slot 1
         tokens[:, 0] = prev
         probs = slot_probs(requests, gamma, V)
-        state = head.init_state((R,), h) if head is not None else None
-        for k in range(gamma):
-            logits = base[:, k]
-            if head is not None:
-                state, bias = head.step(state, prev, h[:, k])
-                logits = logits + bias
-            tokens[:, k + 1] = prev = model.to_full(draw(logits, requests, probs, k))
+        if markov_draws.applies(model, base, requests):  # the loop below in one C call (markov_draws.py)
+            tokens[:, 1:] = markov_draws.draw_block(model, base, prev, requests, probs)
+        else:
+            state = head.init_state((R,), h) if head is not None else None
+            for k in range(gamma):
+                logits = base[:, k]
+                if head is not None:
+                    state, bias = head.step(state, prev, h[:, k])
+                    logits = logits + bias
+                tokens[:, k + 1] = prev = model.to_full(draw(logits, requests, probs, k))
         # Slot k's confidence reads h_k and the token drawn before it, both known once the block is drawn, and
         # nothing sampled reads it: one product over the block instead of γ one-row ones (~0.8 ms at one request).
         conf = model.confidence_logits(h, tokens[:, :gamma])  # [R, γ] or None
