@@ -101,7 +101,8 @@ void dspark_sample_next(const float *p, const long *p_off, const float *q, const
  * (argmax_row, below) or, sampled, softmax(logits / T) written to probs — the distribution kept for verification —
  * and a two-level draw from exactly that row (sample_row). The softmax's exp is exp_poly (Cephes' expf: a few ulp
  * from torch's), so a sampled q moves by float rounding from the torch path's: lossless either way, as verification
- * reads the q that was drawn from. Replaces ~9 torch calls a slot (each 10-60 µs right after a target forward). */
+ * reads the q that was drawn from. Replaces ~9 torch calls a slot (each 20-80 µs right after a target forward,
+ * results/post-forward-ops-s48). */
 typedef void (*linear_fn)(const void *x, long M, const void *w, const void *bias, long N, long K, void *y, int threads);
 static long argmax_row(const float *x, long V);
 
@@ -168,6 +169,7 @@ int dspark_markov_draws(const float *base, long bs0, long bs1, const float *w1, 
                         const double *u, float *probs, long ps0, long ps1, long *tokens, long R, long g, long Vd,
                         int threads) {
   const long nb = Vd / BLOCK, esize = bf ? 2 : 4;
+  if (R <= 0 || g <= 0) return 0;
   unsigned char *x = malloc(R * rank * esize), *y = malloc(R * Vd * esize);
   float *z = malloc(R * Vd * sizeof(float));
   long *prev = malloc(R * sizeof(long));

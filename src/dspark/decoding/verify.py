@@ -62,8 +62,9 @@ def _accepted_runs(ok: list[list[bool]], num_draft: list[int], stops: list[list[
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """([R] drafts kept, [R] stopped): each request's leading run of accepted drafts among its first ℓ_r, cut after
     the first accepted stop token (invariant 4: nothing after it, no bonus). A loop over at most R·γ Python values:
-    right after a target forward each small torch op costs 10-60 µs on the dev CPUs, so the tensor form of this
-    (cumprod, isin, where, ...) took ~0.3 ms a batch-1 round (scripts/verify_cost.py)."""
+    right after a target forward each small torch call costs 20-80 µs on the Intel dev CPU, and the tensor form of
+    the greedy rule (cumprod, isin, where, ...) took 484 µs there (scripts/post_forward_op_cost.py,
+    results/post-forward-ops-s48)."""
     accepted, stopped = [], []
     for r, n in enumerate(num_draft):
         a, hit = 0, False

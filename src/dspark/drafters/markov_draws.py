@@ -2,9 +2,10 @@
 
 Why: the torch loop of `DSparkDrafter._sample_block` makes ~9 calls a slot (the W1 row, its bf16 copy, the W2
 product, the add, the draw, the draft-vocabulary map, ...), 60-70 a block, and right after a target forward each
-small torch call costs 10-60 µs on the dev CPUs (scripts/batch1_round_phases.py: Markov steps, draws and the map
-took 0.9 ms of a batch-1 round at T = 0, 1.4 ms at T = 1). The kernel runs the same steps in C; the W2 product goes
-through the projection kernel the torch path calls for one or two rows (models/native_linear.c), so there the
+small torch call costs 20-80 µs on the Intel dev CPU (results/post-forward-ops-s48): Markov steps, draws and the
+map took 0.9 ms of a batch-1 round at T = 0, 1.4 ms at T = 1 (results/round-phases-s46). The kernel runs the same
+steps in C; the W2 product goes through the projection kernel the torch path calls for one or two rows
+(models/native_linear.c), so there the
 logits are the same bits and greedy drafts the same tokens. A sampled slot's softmax is the kernel's own (its exp a
 few ulp from torch's), written to the probability buffer verification reads, and the token is drawn from exactly
 that row (invariant 1): lossless as before, with q moved by float rounding.
