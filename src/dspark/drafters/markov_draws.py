@@ -68,8 +68,8 @@ def price_tag(model) -> str:
 
 
 def applies(model, base: torch.Tensor, requests) -> bool:
-    return (not torch.is_grad_enabled() and base.dtype == torch.float32 and base.stride(-1) == 1
-            and by_blocks(base.shape[-1])
+    return (not torch.is_grad_enabled() and base.device.type == "cpu" and base.dtype == torch.float32
+            and base.stride(-1) == 1 and by_blocks(base.shape[-1])
             and all(r.params.greedy or (r.params.top_k == 0 and r.params.top_p >= 1 and r.params.min_p == 0)
                     for r in requests)
             and serves(model))
