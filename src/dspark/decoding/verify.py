@@ -112,15 +112,19 @@ def draw_next(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, targ
     One C call where sample_from would search blocks (native_sample.sample_next: the residual is written and
     searched row by row, nothing gathered; ~10 torch calls fewer at one request), else `_draw_next_reference`,
     which it equals bit for bit (tests/test_native_sample.py)."""
-    R, vocab = len(accepted), target_probs.shape[-1]
-    if by_blocks(vocab):
-        rows = torch.arange(R)
-        p_off = rows * target_probs.stride(0) + accepted * target_probs.stride(1)
-        at = accepted.clamp(max=max(draft_tokens.shape[1] - 1, 0))  # a rejected row's slot (others: unread)
-        q_off = (torch.full((R,), -1) if draft_probs is None
-                 else torch.where(rejected, rows * draft_probs.stride(0) + at * draft_probs.stride(1), -1))
-        point = torch.where(rejected, draft_tokens[rows, at], -1) if draft_probs is None else torch.full((R,), -1)
-        tokens = native_sample.sample_next(target_probs, p_off, draft_probs, q_off, point, u_next)
+    if by_blocks(target_probs.shape[-1]):
+        # the rows' element offsets in Python: a dozen small torch calls cost more here than the draw itself
+        acc, rej = accepted.tolist(), rejected.tolist()
+        s0, s1 = target_probs.stride(0), target_probs.stride(1)
+        p_off = [r * s0 + a * s1 for r, a in enumerate(acc)]
+        if draft_probs is None:  # point masses: the rejected draft token itself
+            drafts = draft_tokens.tolist()
+            q_off, point = [-1] * len(acc), [drafts[r][a] if j else -1 for r, (a, j) in enumerate(zip(acc, rej))]
+        else:
+            d0, d1 = draft_probs.stride(0), draft_probs.stride(1)
+            q_off, point = [r * d0 + a * d1 if j else -1 for r, (a, j) in enumerate(zip(acc, rej))], [-1] * len(acc)
+        tokens = native_sample.sample_next(target_probs, torch.tensor(p_off), draft_probs, torch.tensor(q_off),
+                                           torch.tensor(point), u_next)
         if tokens is not None:
             return tokens
     return _draw_next_reference(draft_tokens, draft_probs, target_probs, accepted, rejected, u_next)
