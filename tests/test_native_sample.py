@@ -184,3 +184,33 @@ def check_next_token_draws(verify_module, q_kind):
     p = target[0].expand(8, *target.shape[1:])  # stride 0 over requests, as tests broadcast one law
     args = (drafts[:8], None if q is None else q[0].expand(8, *q.shape[1:]), p, accepted[:8], rejected[:8], u[:8])
     assert torch.equal(verify_module.draw_next(*args), verify_module._draw_next_reference(*args))
+
+
+@pytest.mark.parametrize("q_kind", ["dist", "point"])
+def test_verification_through_the_kernel_emits_the_target_law(q_kind):
+    """verify over 4,096 tokens (the C next-token draw serves it): 60,000 one-draft blocks whose draft law q differs
+    from the target's p, point masses included; the first emitted token follows p (chi-square over the 12 tokens
+    holding p's and q's mass, the rest pooled, p > 0.001)."""
+    from scipy.stats import chisquare
+
+    from dspark.decoding import verify
+
+    g = torch.Generator().manual_seed(4)
+    R, vocab = 60_000, 16 * CDF_BLOCK
+    heavy = torch.randperm(vocab, generator=g)[:12]
+    p, q = torch.full((2, vocab), 1e-7), torch.full((vocab,), 1e-7)
+    p[:, heavy] = torch.rand(2, 12, generator=g) + 0.1
+    q[heavy[::2]] = torch.rand(6, generator=g) + 0.1  # q puts no mass on half of p's tokens: the residual must
+    p, q = p / p.sum(-1, keepdim=True), q / q.sum()
+    drafts = torch.multinomial(q, R, replacement=True, generator=g).view(R, 1)  # skewed, so a wrong residual shows
+    law = None if q_kind == "point" else q.view(1, 1, vocab).expand(R, 1, vocab)  # point: each row's own draft
+    res = verify(drafts, law, p.view(1, 2, vocab).expand(R, 2, vocab), torch.ones(R, dtype=torch.long),
+                 torch.rand(R, 2, generator=g, dtype=torch.float64))
+    first = torch.where(res.accepted > 0, drafts[:, 0], res.next_token)
+    counts = torch.bincount(first, minlength=vocab).double()
+    rest = torch.ones(vocab, dtype=torch.bool)
+    rest[heavy] = False
+    observed = torch.cat([counts[heavy], counts[rest].sum().view(1)])
+    expected = torch.cat([p[0, heavy].double(), p[0, rest].double().sum().view(1)])
+    expected = expected / expected.sum() * R
+    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
