@@ -1,20 +1,22 @@
-"""What verifying a step of sampled requests costs, with the copy-free paths and without them, in one process.
+"""What verifying a step of sampled requests costs where their rows lie, and through the padded buffers, in one process.
 
-    .venv/bin/python scripts/verify_cost.py --out results/verify-cost-s36
+    .venv/bin/python scripts/verify_cost.py --out results/verify-cost-s49
 
 `verify_requests` as the engine calls it: R requests, each verifying k drafts (k + 1 rows of a 49,152-token
-vocabulary, the requests' rows in order in one logits tensor), every request at the same temperature. Three paths
-are switched off together for the baseline (mock.patch, as before session 36): a temperature of 1 divided anyway
-(`sampling._tempered`), the requests' rows concatenated and copied into a padded buffer (`batch._table_run`), and the
-bonus rows gathered into a copy when no draft was verified (`verify._next_rows`). Both paths are timed in turn,
-medians over `--repeats` runs of `--calls` calls each, and must pick the same tokens (they compute the same bits).
+vocabulary, the requests' rows in order in one logits tensor), every request at the same temperature; "ragged"
+cases give the requests 0..k drafts in turn, as the async scheduler's top-K does. "table" is the path the engine
+takes since session 49 (`batch._verify_table`: one to_probs call over the rows where they lie, `verify_rows`);
+"padded" the one top-p and per-request logit adjustments still take (`_sampled_rows` + `verify`), forced here by
+patching `batch._one_softmax`. Before session 49 requests of equal k took the padded path over a slice of the table
+(no copy), ragged ones the copy. Both paths are timed in turn, medians over `--repeats` runs of `--calls` calls
+each, and must pick the same tokens (they compute the same bits).
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import platform
+import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,32 +24,29 @@ from unittest import mock
 
 import torch
 
-from dspark.decoding import SamplingParams, batch, sampling
+from dspark.decoding import SamplingParams, batch
 from dspark.decoding.batch import verify_requests
 
 VOCAB, GAMMA = 49_152, 7
-verify = importlib.import_module("dspark.decoding.verify")  # the module; the package exports its function
 
 
 def baseline_patches() -> ExitStack:
     stack = ExitStack()
-    stack.enter_context(mock.patch.object(sampling, "_tempered", lambda x, t: x / t))
-    stack.enter_context(mock.patch.object(batch, "_table_run", lambda *args: None))
-    stack.enter_context(mock.patch.object(verify, "_next_rows",
-                                          lambda p, acc: p[torch.arange(p.shape[0]), acc]))
+    stack.enter_context(mock.patch.object(batch, "_one_softmax", lambda *args: False))
     return stack
 
 
-def case(R: int, k: int, top_p: float, seed: int = 0):
-    """The arguments of one engine call: R requests verifying k drafts each."""
+def case(R: int, k: int, top_p: float, ragged: bool, seed: int = 0):
+    """The arguments of one engine call: R requests verifying k drafts each (ragged: 0..k in turn)."""
     g = torch.Generator().manual_seed(seed)
-    table = torch.randn(R * (k + 1), VOCAB, generator=g) * 3  # [Σ rows, V]
-    starts = [r * (k + 1) for r in range(R)]
-    logits = [table[s: s + k + 1] for s in starts]
+    counts = [(k - r % (k + 1)) if ragged else k for r in range(R)]
+    starts = [sum(n + 1 for n in counts[:r]) for r in range(R)]
+    table = torch.randn(starts[-1] + counts[-1] + 1, VOCAB, generator=g) * 3  # [Σ rows, V]
+    logits = [table[s: s + n + 1] for s, n in zip(starts, counts)]
     drafts = torch.randint(0, VOCAB, (R, GAMMA), generator=g)
     q = torch.softmax(torch.randn(R, GAMMA, VOCAB, generator=g) * 3, -1) if k else None
     params = [SamplingParams(temperature=1.0, top_p=top_p)] * R
-    return logits, drafts, torch.full((R,), k), q, params, table, starts
+    return logits, drafts, torch.tensor(counts), q, params, table, starts
 
 
 def run(args_, seed: int):
@@ -76,6 +75,7 @@ def main() -> None:
     ap.add_argument("--requests", default="1,4,16,32")
     ap.add_argument("--drafts", default="0,3")
     ap.add_argument("--top-p", default="1,0.95")
+    ap.add_argument("--ragged", default="0,1", help="0: every request verifies k drafts; 1: 0..k in turn")
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=None, help="a folder for verify_cost.json and verify_cost.md")
@@ -83,8 +83,11 @@ def main() -> None:
     rows = []
     for top_p in map(float, args.top_p.split(",")):
         for R in map(int, args.requests.split(",")):
-            for k in map(int, args.drafts.split(",")):
-                a = case(R, k, top_p)
+            for k, ragged in ((k, bool(int(x))) for k in map(int, args.drafts.split(","))
+                              for x in args.ragged.split(",")):
+                if ragged and (k == 0 or R == 1):
+                    continue
+                a = case(R, k, top_p, ragged)
                 fast = run(a, 7)
                 with baseline_patches():
                     slow = run(a, 7)
@@ -92,8 +95,9 @@ def main() -> None:
                 after = timed(a, args.calls, args.repeats)
                 same = all(torch.equal(getattr(fast, f), getattr(slow, f))
                            for f in ("accepted", "next_token", "stopped"))
-                rows.append({"top_p": top_p, "requests": R, "drafts": k, "before_ms": round(before, 3),
-                             "after_ms": round(after, 3), "ratio": round(after / before, 3), "same_tokens": same})
+                rows.append({"top_p": top_p, "requests": R, "drafts": f"0..{k}" if ragged else k,
+                             "padded_ms": round(before, 3), "table_ms": round(after, 3),
+                             "ratio": round(after / before, 3), "same_tokens": same})
                 print(rows[-1], flush=True)
                 if not same:
                     raise SystemExit("the two paths picked different tokens")
@@ -104,11 +108,13 @@ def main() -> None:
                 "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "calls": args.calls, "repeats": args.repeats}
         (out / "verify_cost.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        lines = ["# verify_requests per call, T = 1 (median ms; before = the copying paths, in the same process)", "",
-                 f"torch {meta['torch']}, {meta['threads']} threads, {meta['date']}", "",
-                 "| top-p | requests | drafts each | before | after | after / before | same tokens |",
+        lines = ["# verify_requests per call, T = 1 (median ms; padded: forced, in the same process)", "",
+                 "    .venv/bin/python scripts/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "",
+                 f"torch {meta['torch']}, {meta['threads']} threads, {meta['date']}; top-p < 1 takes the padded path "
+                 "in both columns", "",
+                 "| top-p | requests | drafts each | padded | table | table / padded | same tokens |",
                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['top_p']} | {r['requests']} | {r['drafts']} | {r['before_ms']} | {r['after_ms']} | "
+        lines += [f"| {r['top_p']} | {r['requests']} | {r['drafts']} | {r['padded_ms']} | {r['table_ms']} | "
                   f"{r['ratio']} | {r['same_tokens']} |" for r in rows]
         (out / "verify_cost.md").write_text("\n".join(lines) + "\n")
 

@@ -267,43 +267,58 @@ def test_shared_to_probs_calls_give_each_request_its_own_bits(two_threads):
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=50),
                                     SamplingParams(temperature=1.3, min_p=0.05)])
-def test_rows_of_one_logits_tensor_skip_the_copies_and_keep_their_bits(two_threads, params):
-    """The engine's case: every request verifies the same number of drafts and its rows follow the one before it
-    in the logits tensor it passes as `table`. Verification then processes them in place (batch._table_run), with
-    no cat and no padded copy: the distributions, and so the tokens, are the copying path's bit for bit. Rows of
-    the same width that do not form such a run (a gap, out of order) are gathered in one call; ragged rows, or no
-    table, take the copying path."""
+@pytest.mark.parametrize("vocab", [49_152, 11])  # the C next-token draw, and the torch reference below a block
+def test_rows_where_they_lie_verify_as_the_padded_buffers(two_threads, params, vocab):
+    """The engine's case: the sampled requests' rows lie in the forward's logits tensor (`table`), ragged (the async
+    scheduler's top-K lengths), some verifying nothing, greedy requests between them, or only a probe's few
+    drafted (`draft_rows`), with point-mass drafts or draft distributions and stop tokens. `_verify_table` (one
+    to_probs call over the rows where they lie, `verify_rows`) must give the padded path's tokens and leave every
+    generator in the same state: the same rows, uniforms and tests, so the same bits."""
     from unittest import mock
 
     from dspark.decoding import batch
-    from dspark.decoding.batch import _sampled_rows, _table_run, verify_requests
+    from dspark.decoding.batch import verify_requests
 
     g = torch.Generator().manual_seed(2)
-    everyone = list(range(6))
-    for width in (0, 3):
-        table = torch.randn(6 * (width + 1), 49_152, generator=g) * 3
-        starts = [r * (width + 1) for r in everyone]
-        blocks = [table[s: s + width + 1] for s in starts]
-        run = _table_run((table, starts), blocks, everyone, width)
-        assert run is not None and torch.equal(run, table)
-        drafts, num = torch.randint(0, 49_152, (6, width)), torch.full((6,), width)
-        q = torch.softmax(torch.randn(6, width, 49_152, generator=g), -1) if width else None
+    R, gamma = 7, 4
+    cases = 0
+    for trial in range(6):
+        lengths = torch.randint(0, gamma + 1, (R,), generator=g)
+        lengths[trial % R] = 0
+        kinds = [params if (r + trial) % 4 else SamplingParams(temperature=0) for r in range(R)] if trial % 2 \
+            else [params] * R  # greedy rows between the sampled ones on odd trials: a gather, not a slice
+        starts = [3 + int((lengths[:r] + 1).sum()) for r in range(R)]
+        table = torch.randn(starts[-1] + int(lengths[-1]) + 1, vocab, generator=g) * 3
+        blocks = [table[s: s + int(n) + 1] for s, n in zip(starts, lengths)]
+        drafts = torch.randint(0, vocab, (R, gamma), generator=g)
+        for r, n in enumerate(lengths.tolist()):  # likely under the target, so that runs of drafts are accepted
+            drafts[r, :n] = blocks[r][:n].argmax(-1)
+            boosted = torch.arange(0, n, 2)  # slots 0, 2: all but sure; slots 1, 3 keep their odds (rejections)
+            blocks[r][boosted, drafts[r, boosted]] += 8.0  # in place: the rows of the table
+        stop = torch.rand(R, gamma, generator=g) < 0.1
+        q = torch.randn(R, gamma, vocab, generator=g) * 3
+        q.scatter_add_(-1, drafts.unsqueeze(-1), torch.full((R, gamma, 1), 10.0))  # drafted where q is high
+        q = torch.softmax(q, -1)
+        drafted = [r for r in range(R) if lengths[r]]
+        for probs, rows in ((q, None), (None, None), (q[drafted], drafted)):
 
-        assert torch.equal(_sampled_rows(blocks, [params] * 6, width, run), _sampled_rows(blocks, [params] * 6, width))
-        verified = lambda: verify_requests(  # noqa: E731
-            blocks, drafts, num, q, [params] * 6, [torch.Generator().manual_seed(r) for r in everyone],
-            torch.zeros(6, width, dtype=torch.bool), table=(table, starts))
-        fast = verified()
-        with mock.patch.object(batch, "_table_run", lambda *args: None):
-            slow = verified()
-        for field in ("accepted", "next_token", "stopped"):
-            assert torch.equal(getattr(fast, field), getattr(slow, field)), field
-        for group in ([0, 1, 3, 4, 5], everyone[::-1]):  # a gap (a probe's drafted rows between), out of order
-            gathered = _table_run((table, starts), blocks, group, width)  # one gather, no cat
-            assert torch.equal(gathered, torch.cat([blocks[r] for r in group]))
-        if width:
-            assert _table_run((table, starts), [b[:-1] for b in blocks], everyone, width) is None  # fewer rows
-        assert _table_run(None, blocks, everyone, width) is None  # no table
+            def verified(seed=trial):
+                gens = [torch.Generator().manual_seed(seed * 100 + r) for r in range(R)]
+                out = verify_requests(blocks, drafts, lengths, probs, kinds, gens, stop, table=(table, starts),
+                                      draft_rows=rows)
+                return out, [gen.get_state() for gen in gens]
+
+            with mock.patch.object(batch, "_verify_table", wraps=batch._verify_table) as spy:
+                fast, fast_states = verified()
+            assert spy.call_count == 1
+            with mock.patch.object(batch, "_one_softmax", lambda *args: False):
+                slow, slow_states = verified()
+            for field in ("accepted", "next_token", "stopped"):
+                assert torch.equal(getattr(fast, field), getattr(slow, field)), (trial, field)
+            assert all(torch.equal(a, b) for a, b in zip(fast_states, slow_states))
+            cases += 1
+            assert int(fast.accepted.sum()) > 0 and bool((fast.accepted < lengths).any())  # accepts and rejects
+    assert cases == 18
 
 
 def test_accepted_runs_equal_the_tensor_rule():

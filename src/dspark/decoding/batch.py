@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .sampling import SamplingParams, greedy_tokens, target_logits, to_probs
-from .verify import VerifyResult, accept_greedy, draw_uniforms, verify
+from .verify import VerifyResult, accept_greedy, draw_uniforms, verify, verify_rows
 
 
 def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft: torch.Tensor,
@@ -23,8 +23,10 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
     the others must verify nothing.
 
     Greedy requests take the argmax fast path; the rest are processed with their own parameters (the same
-    ones their drafts were processed with), batched over requests that process alike, and verified together.
-    Buffers are only as wide as the longest verified block of the group, not γ + 1: at 32 requests with nothing
+    ones their drafts were processed with). Given a table, sampled requests that all process alike with no top-p
+    and no logits adjusted (the engine's usual step) are verified where their rows lie (`_verify_table`). Otherwise
+    they are batched over requests that process alike into padded buffers, the reference path. Buffers are only as
+    wide as the longest verified block of the group, not γ + 1: at 32 requests with nothing
     drafted, a [R, γ + 1, V] buffer was zeroed and scanned for every step (~9 % of a step on the dev CPU with a
     49,152-token vocabulary). For the same reason sampled requests that verify drafts and those that verify none
     are verified apart: a probe drafts two requests of sixteen, and the other fourteen need one row each, not a
@@ -46,6 +48,12 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
     greedy = [r for r in range(R) if params[r].greedy]
     sampled = [r for r in range(R) if not params[r].greedy]
     counts = num_draft.tolist()  # once: indexing the tensor per request is a per-step cost that grows with R
+    if sampled and table is not None and _one_softmax(sampled, params, generated):
+        res = _verify_table(table, sampled, counts, drafts, draft_probs, draft_rows, params[sampled[0]],
+                            [generators[r] for r in sampled], stop_mask)
+        idx = slice(None) if len(sampled) == R else torch.tensor(sampled)
+        accepted[idx], next_token[idx], stopped[idx] = res.accepted, res.next_token, res.stopped
+        sampled = []
     drafting = [r for r in sampled if counts[r] > 0]
     undrafted = [r for r in sampled if counts[r] == 0]
     groups = ((greedy, True), (sampled, False)) if not drafting or not undrafted else (
@@ -63,13 +71,59 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
                     else _argmax_tokens({r: adjusted(r) for r in group}, group, width, None))
             res = accept_greedy(draft, best, num_draft[idx], stops)
         else:
-            run = _table_run(table, logits, group, width) if plain else None
-            rows = _sampled_rows([adjusted(r) for r in group], [params[r] for r in group], width, run)
+            rows = _sampled_rows([adjusted(r) for r in group], [params[r] for r in group], width)
             uniforms = draw_uniforms([generators[r] for r in group], num_draft[idx], width)
             q = None if draft_probs is None or width == 0 else _draft_block(draft_probs, draft_rows, group, idx, width)
             res = verify(draft, q, rows, num_draft[idx], uniforms, stops)
         accepted[idx], next_token[idx], stopped[idx] = res.accepted, res.next_token, res.stopped
     return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
+
+
+def _one_softmax(group: list[int], params: list[SamplingParams], generated) -> bool:
+    """Whether the group's rows can take one to_probs call over the step's table: the same processing, no top-p
+    (whose per-call work `_sampled_rows` shares out in chunks) and no logits adjusted per request."""
+    first = params[group[0]]
+    return (first.top_p >= 1 and all(params[r].processing == first.processing for r in group)
+            and not any(params[r].adjusts_logits_after(generated(r)) for r in group))
+
+
+def _verify_table(table: tuple[torch.Tensor, list[int]], group: list[int], counts: list[int], drafts: torch.Tensor,
+                  draft_probs: torch.Tensor | None, draft_rows: list[int] | None, params: SamplingParams,
+                  generators: list[torch.Generator], stop_mask: torch.Tensor) -> VerifyResult:
+    """The sampled requests of ``group`` verified over the step's rows of logits as they lie in ``table``: one
+    to_probs call over them (a slice when they are consecutive, as in the engine's forward without greedy requests
+    between them, else one gather) and `verify_rows`, which reads each request's ℓ_r + 1 rows where they are.
+    Ragged lengths (the async scheduler's top-K, a probe's few drafted requests among many) then cost no padded
+    [G, width + 1, V] buffer, no zeroing and no second call for the requests that verify nothing; the uniforms, rows
+    and draft distributions are each request's own, so its tokens are those of the padded path (tested)."""
+    rows, starts = table
+    sizes = [counts[r] + 1 for r in group]
+    firsts, end = [], starts[group[0]]
+    for r, n in zip(group, sizes):
+        firsts.append(starts[r] - starts[group[0]])
+        end = end + n if starts[r] == end else -1  # -1: not consecutive
+    if end >= 0:
+        block = rows[starts[group[0]]: end]
+    else:
+        block = rows.index_select(0, torch.cat([torch.arange(starts[r], starts[r] + n) for r, n in zip(group, sizes)]))
+        firsts = [sum(sizes[:i]) for i in range(len(group))]
+    probs = to_probs(block, params)  # [Σ (ℓ_r + 1), V]
+    width = max(counts[r] for r in group)
+    whole = len(group) == drafts.shape[0]
+    draft = drafts[:, :width] if whole else drafts[group, :width]
+    stops = stop_mask[:, :width] if whole else stop_mask[group, :width]
+    q_rows = None
+    if draft_rows is not None:
+        position = {r: i for i, r in enumerate(draft_rows)}
+        missing = [r for r in group if counts[r] and r not in position]
+        if missing:
+            raise ValueError(f"requests {missing} verify drafts but have no draft distributions (draft_rows)")
+        q_rows = [position.get(r, 0) for r in group]  # 0: a request verifying nothing never reads its row
+    elif not whole:
+        q_rows = group
+    num = [counts[r] for r in group]
+    uniforms = draw_uniforms(generators, torch.tensor(num), width)
+    return verify_rows(draft, None if width == 0 else draft_probs, probs, firsts, num, uniforms, stops, q_rows)
 
 
 def _draft_block(draft_probs: torch.Tensor, draft_rows: list[int] | None, group: list[int], idx, width: int
@@ -88,18 +142,14 @@ def _draft_block(draft_probs: torch.Tensor, draft_rows: list[int] | None, group:
 CHUNK_ELEMENTS = 4 * 49_152  # logits per shared to_probs call: a cache's worth (4 rows of SmolLM2's vocabulary)
 
 
-def _sampled_rows(blocks: list[torch.Tensor], params: list[SamplingParams], width: int,
-                  run: torch.Tensor | None = None) -> torch.Tensor:
+def _sampled_rows(blocks: list[torch.Tensor], params: list[SamplingParams], width: int) -> torch.Tensor:
     """[G, width + 1, V] each request's target distributions (blocks[i]: its ℓ_i + 1 rows of logits), zero past
-    its own rows; run: the same rows as one [G · (width + 1), V] tensor (``_table_run``), processed in place.
-    Requests that process alike (seeds may differ) share to_probs calls of about CHUNK_ELEMENTS logits: one call
-    per request pays top-p's per-call work R times, and one call over every row of a step streamed them all through
-    memory, slower at 3 drafts a request (scripts/top_p_cost.py measures the path).
-    Exact: to_probs gives a row the same bits whatever shares its call (tests/test_decoding.py), so a seeded
-    request's tokens do not depend on its neighbours."""
-    alike = all(p.processing == params[0].processing for p in params)
-    if run is not None and alike and params[0].top_p >= 1:  # no top-p: nothing per call to share: one call, no copy
-        return to_probs(run, params[0]).view(len(blocks), width + 1, -1)
+    its own rows: the padded path, for top-p, logits adjusted per request, requests that process differently, or
+    no table (else `_verify_table`, which it is the reference of). Requests that process alike (seeds may differ)
+    share to_probs calls of about CHUNK_ELEMENTS logits: one call per request pays top-p's per-call work R times,
+    and one call over every row of a step streamed them all through memory, slower at 3 drafts a request
+    (scripts/top_p_cost.py measures the path). Exact: to_probs gives a row the same bits whatever shares its call
+    (tests/test_decoding.py), so a seeded request's tokens do not depend on its neighbours."""
     rows = torch.empty(len(blocks), width + 1, blocks[0].shape[-1])
     sizes = [block.shape[0] for block in blocks]
     for i, n in enumerate(sizes):  # zero only the slots past a request's own rows (none when ℓ = width)
@@ -114,23 +164,6 @@ def _sampled_rows(blocks: list[torch.Tensor], params: list[SamplingParams], widt
             for i, part in zip(chunk, probs.split([sizes[i] for i in chunk])):
                 rows[i, : sizes[i]] = part
     return rows
-
-
-def _table_run(table: tuple[torch.Tensor, list[int]] | None, logits, group: list[int], width: int
-               ) -> torch.Tensor | None:
-    """The group's rows as one tensor of the caller's table when each request has width + 1 of them: a slice when
-    each starts where the one before ends (the engine's logits: its requests' rows in order, none verifying fewer
-    than the widest), else one gather (the undrafted requests of a probe, between the drafted ones); None
-    otherwise. With the cat and the copy this saves, 16 one-row requests took 2.28 ms to verify, without them 1.45
-    (scripts/verify_cost.py)."""
-    if table is None or any(logits[r].shape[0] != width + 1 for r in group):
-        return None
-    rows, starts = table
-    first = starts[group[0]]
-    if all(starts[r] == first + i * (width + 1) for i, r in enumerate(group)):
-        return rows[first: first + len(group) * (width + 1)]
-    index = torch.tensor([starts[r] for r in group]).unsqueeze(1) + torch.arange(width + 1)  # [G, width + 1]
-    return rows.index_select(0, index.view(-1))
 
 
 def _chunks(members: list[int], sizes: list[int], rows: int) -> list[list[int]]:

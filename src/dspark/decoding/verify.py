@@ -112,38 +112,95 @@ def draw_next(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, targ
     One C call where sample_from would search blocks (native_sample.sample_next: the residual is written and
     searched row by row, nothing gathered; ~10 torch calls fewer at one request), else `_draw_next_reference`,
     which it equals bit for bit (tests/test_native_sample.py)."""
-    if by_blocks(target_probs.shape[-1]):
-        # the rows' element offsets in Python: a dozen small torch calls cost more here than the draw itself
-        acc, rej = accepted.tolist(), rejected.tolist()
-        s0, s1 = target_probs.stride(0), target_probs.stride(1)
-        p_off = [r * s0 + a * s1 for r, a in enumerate(acc)]
-        if draft_probs is None:  # point masses: the rejected draft token itself
-            drafts = draft_tokens.tolist()
-            q_off, point = [-1] * len(acc), [drafts[r][a] if j else -1 for r, (a, j) in enumerate(zip(acc, rej))]
-        else:
-            d0, d1 = draft_probs.stride(0), draft_probs.stride(1)
-            q_off, point = [r * d0 + a * d1 if j else -1 for r, (a, j) in enumerate(zip(acc, rej))], [-1] * len(acc)
-        tokens = native_sample.sample_next(target_probs, torch.tensor(p_off), draft_probs, torch.tensor(q_off),
-                                           torch.tensor(point), u_next)
-        if tokens is not None:
-            return tokens
+    acc, rej = accepted.tolist(), rejected.tolist()
+    s0, s1 = target_probs.stride(0), target_probs.stride(1)
+    # the rows' element offsets in Python: a dozen small torch calls cost more here than the draw itself
+    tokens = _sample_next(draft_tokens, draft_probs, target_probs, [r * s0 + a * s1 for r, a in enumerate(acc)],
+                          list(range(len(acc))), acc, rej, u_next)
+    if tokens is not None:
+        return tokens
     return _draw_next_reference(draft_tokens, draft_probs, target_probs, accepted, rejected, u_next)
+
+
+def _sample_next(draft_tokens, draft_probs, probs, p_off: list[int], q_rows: list[int], acc: list[int],
+                 rej: list[bool], u_next: torch.Tensor) -> torch.Tensor | None:
+    """draw_next's C call: request r's target row at element offset p_off[r] of ``probs``, its draft distributions
+    row q_rows[r] of ``draft_probs`` (None where the kernel cannot serve)."""
+    if not by_blocks(probs.shape[-1]):
+        return None
+    if draft_probs is None:  # point masses: the rejected draft token itself
+        drafts = draft_tokens.tolist()
+        q_off, point = [-1] * len(acc), [drafts[r][a] if j else -1 for r, (a, j) in enumerate(zip(acc, rej))]
+    else:
+        d0, d1 = draft_probs.stride(0), draft_probs.stride(1)
+        q_off = [q_rows[r] * d0 + a * d1 if j else -1 for r, (a, j) in enumerate(zip(acc, rej))]
+        point = [-1] * len(acc)
+    return native_sample.sample_next(probs, torch.tensor(p_off), draft_probs, torch.tensor(q_off),
+                                     torch.tensor(point), u_next)
 
 
 def _draw_next_reference(draft_tokens, draft_probs, target_probs, accepted, rejected, u_next) -> torch.Tensor:
     """draw_next in torch: the residual rows gathered and computed in full, then one sample_from."""
-    p_next = _next_rows(target_probs, accepted)  # [R, V]: residual base (rejected) or bonus distribution
+    return _residual_draw(draft_tokens, draft_probs, _next_rows(target_probs, accepted), accepted, rejected, u_next)
+
+
+def _residual_draw(draft_tokens, draft_probs, p_next, accepted, rejected, u_next,
+                   q_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """p_next [R, V]: each request's target row after its accepted drafts (a copy the residual overwrites, or rows
+    only read when nothing was rejected); q_rows [R]: each request's row of draft_probs (None: its own)."""
     rej = rejected.nonzero().squeeze(-1)  # [J] the rows that rejected a draft
     if len(rej):
         at = accepted[rej]  # the rejected slot of each
-        q_next = (_point_mass(draft_tokens[rej, at], target_probs.shape[-1]) if draft_probs is None
-                  else draft_probs[rej, at])  # [J, V]
+        q_next = (_point_mass(draft_tokens[rej, at], p_next.shape[-1]) if draft_probs is None
+                  else draft_probs[rej if q_rows is None else q_rows[rej], at])  # [J, V]
         base = p_next[rej]  # [J, V]
         residual = (base - q_next).clamp_(min=0)
         # p == q leaves no residual mass; rejection then had probability 0, so fall back to p harmlessly.
         empty = residual.amax(-1) <= 0  # [J]
         p_next[rej] = torch.where(empty.unsqueeze(-1), base, residual)
     return sample_from(p_next, u_next)
+
+
+def verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, probs: torch.Tensor, first: list[int],
+                num_draft: list[int], uniforms: torch.Tensor, stop_ids: torch.Tensor | None = None,
+                q_rows: list[int] | None = None) -> VerifyResult:
+    """`verify` over one table of target distributions probs [M, V], request r's ℓ_r + 1 rows being probs[first[r]
+    : first[r] + ℓ_r + 1]: ragged blocks need no padded [R, γ + 1, V] copy, and requests that verify nothing join
+    the same call. draft_tokens [R, w] (w >= max ℓ_r); draft_probs [R_d, ≥w, V] or None, request r's row q_rows[r]
+    (None: row r); num_draft [R] ℓ_r as ints; uniforms [R, w + 1]. The same tests on the same values as `verify`, so
+    the same tokens (tests/test_decoding.py)."""
+    R = len(num_draft)
+    pairs = [(r, k) for r, n in enumerate(num_draft) for k in range(n)]  # every verified (request, slot)
+    if not pairs:  # nothing verified (plain decoding, a skipped step): one draw from each request's only row
+        rows = probs if probs.shape[0] == R else probs[torch.tensor(first)]  # one row each: first = 0..R-1
+        none = torch.zeros(R, dtype=torch.long)
+        return VerifyResult(accepted=none, next_token=sample_from(rows, uniforms[:, 0]), stopped=none.bool())
+    r_i, k_i = torch.tensor(pairs).unbind(1)  # [N], [N]
+    x = draft_tokens[r_i, k_i]  # [N]
+    p_x = probs[torch.tensor([first[r] + k for r, k in pairs]), x].double()
+    u = uniforms[r_i, k_i]
+    if draft_probs is None:
+        flat = (u < p_x).tolist()
+    else:
+        q_i = r_i if q_rows is None else torch.tensor(q_rows)[r_i]
+        flat = (u * draft_probs[q_i, k_i, x].double() < p_x).tolist()  # u·q < p, as verify
+    ok, at = [], 0
+    for n in num_draft:
+        ok.append(flat[at: at + n])
+        at += n
+    accepted, stopped = _accepted_runs(ok, num_draft, _stop_rows(draft_tokens, stop_ids))
+    acc = accepted.tolist()
+    rej = [a < n for a, n in zip(acc, num_draft)]
+    u_next = uniforms[torch.arange(R), torch.tensor(num_draft)]
+    rows = q_rows if q_rows is not None else list(range(R))
+    next_token = _sample_next(draft_tokens, draft_probs, probs, [(f + a) * probs.stride(0) for f, a in zip(first, acc)],
+                              rows, acc, rej, u_next)
+    if next_token is None:
+        p_next = probs[torch.tensor([f + a for f, a in zip(first, acc)])]  # [R, V] a copy
+        next_token = _residual_draw(draft_tokens, draft_probs, p_next, accepted, torch.tensor(rej), u_next,
+                                    None if q_rows is None else torch.tensor(q_rows))
+    next_token = torch.where(stopped, torch.full_like(next_token, -1), next_token)
+    return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
 
 
 def _next_rows(target_probs: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
