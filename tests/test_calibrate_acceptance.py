@@ -282,6 +282,9 @@ def test_bench_serve_interleaves_repeats(tiny, tmp_path, monkeypatch, sequential
     assert [len(r["vs_best_fixed"]) for r in data["async_paired_ratios"]] == [2, 2]
     md = (tmp_path / "out" / "serving.md").read_text()
     assert "async / best fixed" in md and "async:live=1 / async" in md and "Live prices" in md
+    # the profile the async policies priced steps by, recorded with the run (engine work priced in: a drafter)
+    assert data["profile"]["format"] == "dspark.speed_profile" and "engine work: commit" in data["profile"]["source"]
+    assert f"The schedulers' speed profile: {data['profile']['source']}" in md
     live = [c for c in data["cells"] if c["policy"] == "async:live=1"]
     assert all(c["live_plain"] > 0 and c["live_verify"] > 0 and c["live_draft"] > 0 for c in live)
     with pytest.raises(ValueError, match="repeats >= 1"):

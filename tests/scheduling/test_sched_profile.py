@@ -157,7 +157,7 @@ def test_cache_round_trip(tmp_path):
     back = load_cached_profile(path, KEY)
     assert back == PROF
     assert back.step_s(40) == PROF.step_s(40)
-    assert json.loads(path.read_text())["version"] == 13
+    assert json.loads(path.read_text())["version"] == 14
     deep = SpeedProfile(PROF.tokens, PROF.seconds, PROF.draft_requests, PROF.draft_seconds, key=KEY,
                         shallow_draft_seconds=(0.01, 0.05), draft_depth=7)
     assert load_cached_profile(save_profile(deep, tmp_path / "deep.json"), KEY) == deep

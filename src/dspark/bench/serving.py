@@ -20,6 +20,7 @@ from ..engine.engine import Engine, EngineConfig
 from ..engine.llm import build_policy
 from ..generate import prompt_ids
 from ..models import load_model
+from ..scheduling.profile_io import profile_to_dict
 from .closed_loop import ClosedLoop, run_cell, run_loops
 from .common import load_bench_prompts, machine_info, markdown_table, median, write_results
 
@@ -149,8 +150,9 @@ def run(cfg: ServeBenchConfig) -> dict:
     matched = per_user_at_matched_throughput(cells) if "mtp1" in cfg.policies else []
     paired = paired_ratios(runs) if "async" in cfg.policies else []
     variants = {v: paired_ratios(runs, v) for v in cfg.policies if is_async_variant(v)}  # paired columns
+    profile = scheduler_profile(cfg, loaded, drafter, engines)
     data = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
-            "machine": machine_info(), "cells": cells, "per_user_vs_mtp1_at_matched_throughput": matched,
+            "machine": machine_info(), "profile": profile and profile_to_dict(profile), "cells": cells, "per_user_vs_mtp1_at_matched_throughput": matched,
             "async_paired_ratios": paired,
             **{f"{v.replace('-', '_')}_paired_ratios": r for v, r in variants.items()}, "runs": runs}
     sim = cfg.traces is not None
@@ -165,6 +167,7 @@ def run(cfg: ServeBenchConfig) -> dict:
              else "")
           + f", {cfg.repeats} repeat(s), "
           f"medians)\n\n"
+          + (f"The schedulers' speed profile: {profile.source}\n\n" if profile else "")
           + markdown_table(["policy", "C", "tok/s", "tok/s range", "per-user tok/s", "verify budget", "tau",
                             "finished", "drafter % of step", "engine overhead % of step"]
                            + (["simulated tok/s", "simulated budget", "measured / simulated"] if sim else []),
@@ -227,6 +230,16 @@ def measure(engines: dict[str, Engine], prompts, concurrency: int, params: Sampl
     loops = [ClosedLoop(engine, prompts, concurrency, params, cfg.length_spread, limit=limit)
              for engine in engines.values()]
     return list(zip(engines, run_loops(loops, seconds, cfg.warmup_s)))
+
+
+def scheduler_profile(cfg: ServeBenchConfig, loaded, drafter, engines):
+    """The cached speed profile the run's load-dependent policies priced steps by (None: no policy reads one), so
+    that a run records what its decisions were made from."""
+    if drafter is None or not any(getattr(e.policy, "load_dependent", False) for e in engines.values()):
+        return None
+    from ..engine.profiling import load_or_profile, profile_key
+    return load_or_profile(loaded.model, profile_key(cfg.model, cfg.dtype, drafter.profile_id, loaded.model),
+                           drafter=drafter)
 
 
 def simulator_profile(cfg: ServeBenchConfig, loaded, drafter):

@@ -174,6 +174,34 @@ def drafter_step_fn(model: Transformer, drafter, depth: int | None = None):
     return step
 
 
+def measure_raw(model: Transformer, key: ProfileKey, drafter=None, prefill: bool = False,
+                repeats: int = 9) -> SpeedProfile:
+    """The target's forwards (and the drafter's proposals) as timed alone, before the engine's own work is priced
+    in: what ``load_or_profile`` measures, then calibrates and caches."""
+    draft = None if drafter is None else drafter_step_fn(model, drafter)
+    extra = {} if drafter is None else {"draft_fn": draft, "shallow_draft_fn": functools.partial(draft, depth=1),
+                                        "depth_draft_fn": lambda r, d: draft(r, depth=d),
+                                        "draft_depth": drafter.gamma, "request_counts": PROFILE_REQUESTS}
+    caches = _warm_caches(model)
+    longest = long_context(model)
+    if longest:
+        extra.update(context_fn=context_step_fn(model, longest), context_cells=CONTEXT_CELLS,
+                     context_tokens=(CONTEXT, longest))
+    if prefill:
+        extra.update(prefill_fn=_by_load(prefill_step_fn(model, caches)), prefill_requests=PREFILL_REQUESTS,
+                     prefill_tokens=[p for p in PREFILL_TOKENS if p <= model.config.max_position])
+        chunk = max(p for p in PREFILL_TOKENS if p <= model.config.max_position)
+        if longest and longest + chunk + 8 <= model.config.max_position:
+            # the next chunk of a long prompt, after LONG_CONTEXT tokens of it
+            extra.update(prefill_context_fn=prefill_at_fn(model, longest), prefill_context_at=(chunk, longest))
+    return measure_profile(target_step_fn(model, caches=caches), PROFILE_TOKENS, repeats=repeats, key=key,
+                           one_segment_fn=target_step_fn(model, one_segment=True, caches=caches),
+                           tokens_per_segment=TOKENS_PER_REQUEST, grid_fn=grid_step_fn(model, caches),
+                           grid_requests=PROFILE_REQUESTS, grid_tokens=GRID_TOKENS,
+                           min_job_seconds=MIN_JOB_SECONDS, shuffle_seed=0, table_cell=table_cell,
+                           reference_every=REFERENCE_EVERY, **extra)
+
+
 def profile_key(model_id: str, dtype: str, drafter_id: str, model: Transformer) -> ProfileKey:
     """The native kernels change the price of a step (projections of a few rows; attention of short segments, the
     per-request cost), so a profile measured without one of them, with another version of the projection kernel,
@@ -210,28 +238,7 @@ def load_or_profile(model: Transformer, key: ProfileKey, repeats: int = 9, force
     def measure() -> SpeedProfile:
         log.info("measuring this machine's speed profile for the scheduler (once, a few minutes; cached at %s)",
                  path)
-        draft = None if drafter is None else drafter_step_fn(model, drafter)
-        extra = {} if drafter is None else {"draft_fn": draft, "shallow_draft_fn": functools.partial(draft, depth=1),
-                                            "depth_draft_fn": lambda r, d: draft(r, depth=d),
-                                            "draft_depth": drafter.gamma, "request_counts": PROFILE_REQUESTS}
-        caches = _warm_caches(model)
-        longest = long_context(model)
-        if longest:
-            extra.update(context_fn=context_step_fn(model, longest), context_cells=CONTEXT_CELLS,
-                         context_tokens=(CONTEXT, longest))
-        if prefill:
-            extra.update(prefill_fn=_by_load(prefill_step_fn(model, caches)), prefill_requests=PREFILL_REQUESTS,
-                         prefill_tokens=[p for p in PREFILL_TOKENS if p <= model.config.max_position])
-            chunk = max(p for p in PREFILL_TOKENS if p <= model.config.max_position)
-            if longest and longest + chunk + 8 <= model.config.max_position:
-                # the next chunk of a long prompt, after LONG_CONTEXT tokens of it
-                extra.update(prefill_context_fn=prefill_at_fn(model, longest), prefill_context_at=(chunk, longest))
-        measured = measure_profile(target_step_fn(model, caches=caches), PROFILE_TOKENS, repeats=repeats, key=key,
-                               one_segment_fn=target_step_fn(model, one_segment=True, caches=caches),
-                               tokens_per_segment=TOKENS_PER_REQUEST, grid_fn=grid_step_fn(model, caches),
-                               grid_requests=PROFILE_REQUESTS, grid_tokens=GRID_TOKENS,
-                               min_job_seconds=MIN_JOB_SECONDS, shuffle_seed=0, table_cell=table_cell,
-                               reference_every=REFERENCE_EVERY, **extra)
+        measured = measure_raw(model, key, drafter, prefill, repeats)
         return calibrated(model, drafter, measured)  # the engine's own work priced in (engine/overhead.py)
 
     path = profile_path(key)
