@@ -344,3 +344,41 @@ def test_accepted_runs_equal_the_tensor_rule():
                 assert torch.equal(accepted, plain) and not stopped.any()
             else:
                 assert torch.equal(accepted, want) and torch.equal(stopped, want_stopped)
+
+
+@pytest.mark.parametrize("vocab_size", [49_152, 12])  # the C next-token draw, and the torch reference
+def test_draft_distributions_in_a_draft_vocabulary_verify_as_scattered_ones(two_threads, vocab_size):
+    """A drafter with a draft vocabulary hands verification q over that vocabulary (verify.DraftVocab) instead of
+    scattering it into [R, γ, V]: the acceptance tests read q at each draft's draft position, and the residual row
+    max(0, p − q) is written from the compact row (p itself elsewhere, p − 0 bit for bit). Same tokens as the
+    scattered q, through `verify` and `verify_rows`, with rejections and acceptances both."""
+    from dspark.decoding.verify import DraftVocab, verify_rows
+
+    g = torch.Generator().manual_seed(5)
+    R, gamma = 6, 4
+    ids = torch.randperm(vocab_size, generator=g)[: vocab_size // 3 if vocab_size > 100 else 8].sort().values
+    vocab = DraftVocab.of(ids, vocab_size)
+    assert torch.equal(vocab.local(ids), torch.arange(len(ids)))
+    local = torch.randint(0, len(ids), (R, gamma), generator=g)
+    drafts = ids[local]
+    q = torch.randn(R, gamma, len(ids), generator=g) * 3
+    q.scatter_add_(-1, local.unsqueeze(-1), torch.full((R, gamma, 1), 6.0))
+    q = torch.softmax(q, -1)
+    full = vocab.full(q)
+    assert full.shape == (R, gamma, vocab_size) and torch.equal(full[..., ids], q)
+    logits = torch.randn(R, gamma + 1, vocab_size, generator=g) * 3
+    logits[:, :gamma].scatter_add_(-1, drafts.unsqueeze(-1), torch.full((R, gamma, 1), 5.0))  # often accepted
+    p = torch.softmax(logits, -1)
+    num = torch.tensor([0, 1, 2, 3, 4, 4])
+    seen = torch.zeros(2, dtype=torch.long)
+    for trial in range(5):
+        u = torch.rand(R, gamma + 1, generator=g, dtype=torch.float64)
+        a = verify(drafts, full, p, num, u)
+        b = verify(drafts, q, p, num, u, vocab=vocab)
+        first = [r * (gamma + 1) for r in range(R)]
+        c = verify_rows(drafts, q, p.view(-1, vocab_size), first, num.tolist(), u, vocab=vocab)
+        for res in (b, c):
+            for f in ("accepted", "next_token", "stopped"):
+                assert torch.equal(getattr(a, f), getattr(res, f)), (trial, f)
+        seen += torch.stack([(a.accepted < num).sum(), a.accepted.sum()])
+    assert int(seen[0]) > 0 and int(seen[1]) > 0  # rejections (residual draws) and acceptances

@@ -93,7 +93,7 @@ def _round(target, drafter, requests, caches, params, emitted) -> int:
         result = verify_greedy(prop.tokens, logits, num)
     else:
         uniforms = draw_uniforms([r.generator for r in requests], num, gamma)
-        result = verify(prop.tokens, prop.probs, to_probs(logits, params), num, uniforms)
+        result = verify(prop.tokens, prop.probs, to_probs(logits, params), num, uniforms, vocab=prop.vocab)
     counts = []
     for i, (r, c, s) in enumerate(zip(requests, caches, starts)):
         kept = int(result.accepted[i]) + 1  # the anchor and the accepted drafts stay in the target cache

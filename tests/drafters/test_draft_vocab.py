@@ -56,8 +56,11 @@ def test_proposals_stay_inside_the_draft_vocabulary():
     drafter.observe(request, out.hidden, len(prompt))
     proposal = drafter.propose([request])
     assert all(int(t) in ids for t in proposal.tokens[0])
-    assert float(proposal.probs[0][:, [i for i in range(96) if i not in ids]].abs().sum()) == 0
-    assert torch.allclose(proposal.probs[0].sum(-1), torch.ones(4))
+    # the distributions stay in the draft vocabulary (verification reads them there: verify.DraftVocab)
+    assert proposal.probs.shape == (1, 4, len(ids)) and torch.equal(proposal.vocab.ids, torch.tensor(ids))
+    full = proposal.full_probs()
+    assert full.shape == (1, 4, 96) and float(full[0][:, [i for i in range(96) if i not in ids]].abs().sum()) == 0
+    assert torch.allclose(full[0].sum(-1), torch.ones(4)) and torch.equal(full[0][:, ids], proposal.probs[0])
     model = drafter.model
     assert torch.equal(model.to_full(model.to_local(torch.tensor(ids))), torch.tensor(ids))
     assert model.to_local(torch.tensor([1, 2, 4])).tolist() == [-1, -1, -1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .sampling import SamplingParams, greedy_tokens, target_logits, to_probs
-from .verify import VerifyResult, accept_greedy, draw_uniforms, verify, verify_rows
+from .verify import DraftVocab, VerifyResult, accept_greedy, draw_uniforms, verify, verify_rows
 
 
 def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft: torch.Tensor,
@@ -12,7 +12,8 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
                     generators: list[torch.Generator], stop_mask: torch.Tensor,
                     table: tuple[torch.Tensor, list[int]] | None = None,
                     histories: list | None = None, stop_ids: list | None = None,
-                    prompts: list | None = None, draft_rows: list[int] | None = None) -> VerifyResult:
+                    prompts: list | None = None, draft_rows: list[int] | None = None,
+                    draft_vocab: DraftVocab | None = None) -> VerifyResult:
     """logits[r]: [ℓ_r+1, V] target rows of request r; drafts: [R, γ]; num_draft: [R]; draft_probs: [R, γ, V]
     or None; stop_mask: [R, γ] bool (draft k of request r is one of r's stop tokens); table: (all rows [M, V],
     the first row of each request) when every logits[r] is a run of rows of one tensor, as in the engine's
@@ -20,7 +21,7 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
     anchor last), which its penalties count (decoding/sampling.target_logits); stop_ids[r]: its stop token ids,
     masked before its min_tokens; prompts[r]: its prompt, which a repetition penalty also counts; draft_rows: the
     requests draft_probs' rows belong to when only some were drafted (a probe; None: every request, in order) —
-    the others must verify nothing.
+    the others must verify nothing; draft_vocab: draft_probs' last dimension is that draft vocabulary, not V.
 
     Greedy requests take the argmax fast path; the rest are processed with their own parameters (the same
     ones their drafts were processed with). Given a table, sampled requests that all process alike with no top-p
@@ -50,7 +51,7 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
     counts = num_draft.tolist()  # once: indexing the tensor per request is a per-step cost that grows with R
     if sampled and table is not None and _one_softmax(sampled, params, generated):
         res = _verify_table(table, sampled, counts, drafts, draft_probs, draft_rows, params[sampled[0]],
-                            [generators[r] for r in sampled], stop_mask)
+                            [generators[r] for r in sampled], stop_mask, draft_vocab)
         idx = slice(None) if len(sampled) == R else torch.tensor(sampled)
         accepted[idx], next_token[idx], stopped[idx] = res.accepted, res.next_token, res.stopped
         sampled = []
@@ -74,7 +75,7 @@ def verify_requests(logits: list[torch.Tensor], drafts: torch.Tensor, num_draft:
             rows = _sampled_rows([adjusted(r) for r in group], [params[r] for r in group], width)
             uniforms = draw_uniforms([generators[r] for r in group], num_draft[idx], width)
             q = None if draft_probs is None or width == 0 else _draft_block(draft_probs, draft_rows, group, idx, width)
-            res = verify(draft, q, rows, num_draft[idx], uniforms, stops)
+            res = verify(draft, q, rows, num_draft[idx], uniforms, stops, draft_vocab)
         accepted[idx], next_token[idx], stopped[idx] = res.accepted, res.next_token, res.stopped
     return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
 
@@ -89,7 +90,8 @@ def _one_softmax(group: list[int], params: list[SamplingParams], generated) -> b
 
 def _verify_table(table: tuple[torch.Tensor, list[int]], group: list[int], counts: list[int], drafts: torch.Tensor,
                   draft_probs: torch.Tensor | None, draft_rows: list[int] | None, params: SamplingParams,
-                  generators: list[torch.Generator], stop_mask: torch.Tensor) -> VerifyResult:
+                  generators: list[torch.Generator], stop_mask: torch.Tensor,
+                  vocab: DraftVocab | None = None) -> VerifyResult:
     """The sampled requests of ``group`` verified over the step's rows of logits as they lie in ``table``: one
     to_probs call over them (a slice when they are consecutive, as in the engine's forward without greedy requests
     between them, else one gather) and `verify_rows`, which reads each request's ℓ_r + 1 rows where they are.
@@ -123,7 +125,7 @@ def _verify_table(table: tuple[torch.Tensor, list[int]], group: list[int], count
         q_rows = group
     num = [counts[r] for r in group]
     uniforms = draw_uniforms(generators, torch.tensor(num), width)
-    return verify_rows(draft, None if width == 0 else draft_probs, probs, firsts, num, uniforms, stops, q_rows)
+    return verify_rows(draft, None if width == 0 else draft_probs, probs, firsts, num, uniforms, stops, q_rows, vocab)
 
 
 def _draft_block(draft_probs: torch.Tensor, draft_rows: list[int] | None, group: list[int], idx, width: int

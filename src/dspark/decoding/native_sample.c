@@ -67,9 +67,11 @@ void dspark_sample_blocks(const float *probs, long R, long V, long stride, const
  * rejected a draft, a draw from max(0, p − q) (q: its draft distribution at that slot, or a point mass on the
  * draft where point[r] >= 0), or from p itself where that leaves no mass; else a draw from p (the bonus). The
  * residual is written out in fp32 exactly as torch's (p - q).clamp(min=0) and drawn by sample_row, so the token is
- * the one sample_from picks from torch's residual row; the rows are found by offsets, so nothing is gathered. */
+ * the one sample_from picks from torch's residual row; the rows are found by offsets, so nothing is gathered.
+ * With qmap, q's rows hold only a draft vocabulary: entry j is token qmap[j] (Vq of them, distinct), every other
+ * token has q = 0, where p − 0 is p bit for bit; so the residual row is the same as from the scattered full row. */
 void dspark_sample_next(const float *p, const long *p_off, const float *q, const long *q_off, const long *point,
-                        long R, long V, const double *u, long *tokens, int threads) {
+                        long R, long V, const double *u, long *tokens, int threads, const long *qmap, long Vq) {
   const long nb = V / BLOCK;
 #pragma omp parallel for schedule(static) num_threads(threads) if (R >= PARALLEL_ROWS)
   for (long r = 0; r < R; r++) {
@@ -83,10 +85,22 @@ void dspark_sample_next(const float *p, const long *p_off, const float *q, const
     float *w = malloc(V * sizeof(float));
     if (w == 0) { tokens[r] = -2; continue; } /* the caller raises */
     int mass = 0;
-    for (long i = 0; i < V; i++) {
-      const float d = pr[i] - (qr != 0 ? qr[i] : (i == point[r] ? 1.0f : 0.0f));
-      w[i] = d > 0.0f ? d : 0.0f;
-      mass |= d > 0.0f;
+    if (qr != 0 && qmap != 0) {
+      for (long i = 0; i < V; i++) {
+        const float d = pr[i] - 0.0f;
+        w[i] = d > 0.0f ? d : 0.0f;
+      }
+      for (long j = 0; j < Vq; j++) {
+        const float d = pr[qmap[j]] - qr[j];
+        w[qmap[j]] = d > 0.0f ? d : 0.0f;
+      }
+      for (long i = 0; i < V; i++) mass |= w[i] > 0.0f;
+    } else {
+      for (long i = 0; i < V; i++) {
+        const float d = pr[i] - (qr != 0 ? qr[i] : (i == point[r] ? 1.0f : 0.0f));
+        w[i] = d > 0.0f ? d : 0.0f;
+        mass |= d > 0.0f;
+      }
     }
     tokens[r] = sample_row(mass ? w : pr, nb, u[r], cdf); /* no residual mass: rejection had probability 0 */
     free(w);

@@ -70,21 +70,26 @@ def sample_blocks(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def sample_next(probs: torch.Tensor, p_off: torch.Tensor, q: torch.Tensor | None, q_off: torch.Tensor,
-                point: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor | None:
+                point: torch.Tensor, uniforms: torch.Tensor, qmap: torch.Tensor | None = None) -> torch.Tensor | None:
     """The token after each verified block (native_sample.c's dspark_sample_next; verify.draw_next's fast path), or
     None where the kernel cannot serve: probs / q fp32 CPU tensors whose last dimension is contiguous, rows found at
-    the element offsets p_off / q_off [R] (q_off −1: no draft row), point [R] a point-mass draft token or −1."""
+    the element offsets p_off / q_off [R] (q_off −1: no draft row), point [R] a point-mass draft token or −1; qmap
+    [Vq] int64 (distinct ids): q's rows cover only these target tokens (a draft vocabulary), q = 0 elsewhere."""
     fn = next_kernel()
     vocab = probs.shape[-1]
     if fn is None or vocab % BLOCK or not all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu"
                                                              and t.stride(-1) == 1 and not t.requires_grad)
                                               for t in (probs, q)):
         return None
+    if qmap is not None and (q is None or qmap.dtype != torch.int64 or qmap.device.type != "cpu"
+                             or qmap.shape != (q.shape[-1],) or not qmap.is_contiguous()):
+        return None
     p_off, q_off, point = (o.to(torch.int64).contiguous() for o in (p_off, q_off, point))  # alive through the call
     u = uniforms.to(torch.float64).contiguous()
     tokens = torch.empty(len(u), dtype=torch.int64)
     fn(probs.data_ptr(), p_off.data_ptr(), None if q is None else q.data_ptr(), q_off.data_ptr(), point.data_ptr(),
-       len(u), vocab, u.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
+       len(u), vocab, u.data_ptr(), tokens.data_ptr(), torch.get_num_threads(),
+       None if qmap is None else qmap.data_ptr(), 0 if qmap is None else qmap.shape[0])
     if bool((tokens < 0).any()):
         raise MemoryError("native_sample: no memory for a residual row")
     return tokens
@@ -99,7 +104,7 @@ def next_kernel(cache_dir: str | None = None):
     if fn is None:
         return None
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                                           ctypes.c_int]
+                                           ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
     fn.restype = None
     return fn if _next_self_check(fn) else None
 
@@ -121,8 +126,19 @@ def _next_self_check(fn) -> bool:
     q_off = torch.where(torch.tensor([True, False, True, False]), p_off, -1)
     tokens = torch.empty(4, dtype=torch.int64)
     fn(p.data_ptr(), p_off.data_ptr(), q.data_ptr(), q_off.data_ptr(), point.data_ptr(), 4, p.shape[1], u.data_ptr(),
-       tokens.data_ptr(), 1)
-    return torch.equal(tokens, want)
+       tokens.data_ptr(), 1, None, 0)
+    if not torch.equal(tokens, want):
+        return False
+    # row 0 again with its draft row held in a draft vocabulary (every other token): the same residual, so the same
+    qmap = torch.arange(0, p.shape[1], 2)  # token
+    compact = q[0, qmap].contiguous()
+    full = torch.zeros_like(q[0])
+    full[qmap] = compact
+    want = _call(kernel(), (p[0] - full).clamp(min=0)[None], u[:1])
+    one, at = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)  # alive through the call
+    fn(p.data_ptr(), p_off.data_ptr(), compact.data_ptr(), at.data_ptr(), point.data_ptr(), 1, p.shape[1],
+       u.data_ptr(), one.data_ptr(), 1, qmap.data_ptr(), qmap.shape[0])
+    return torch.equal(one, want)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from ..decoding.sampling import SamplingParams
+from ..decoding.verify import DraftVocab
 
 
 class DrafterError(ValueError):
@@ -37,6 +38,11 @@ class Proposal:
     num_tokens: torch.Tensor  # [R] how many leading tokens are real drafts
     probs: torch.Tensor | None = None  # [R, γ, V] fp32 sampling distributions; None = point masses
     confidences: torch.Tensor | None = None  # [R, γ] P(slot k accepted | slots < k accepted), if known
+    vocab: DraftVocab | None = None  # set: probs is [R, γ, Vd] over this draft vocabulary (verify reads it so)
+
+    def full_probs(self) -> torch.Tensor | None:
+        """probs over the target's whole vocabulary [R, γ, V] (zeros outside a draft vocabulary)."""
+        return self.probs if self.vocab is None or self.probs is None else self.vocab.full(self.probs)
 
 
 class Drafter(ABC):

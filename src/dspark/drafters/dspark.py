@@ -127,13 +127,16 @@ class DSparkDrafter(BatchFirstDrafter):
         g = self.slots(depth)  # the backbone still sees the whole block: slot k's state does not depend on g
         h = self.model.draft_states(anchor_ids, anchors, ctx_kv, visible, keep=g)  # [R, g, d]
         tokens, probs, conf = self._sample_block(h, self.draft_logits(h), anchor_ids, requests)
-        return DSparkProposal(tokens=tokens, num_tokens=torch.full((R,), g), probs=probs,
+        vocab = self.model.draft_vocab() if probs is not None and probs.device.type == "cpu" else None
+        if probs is not None and vocab is None:
+            probs = self.model.scatter_probs(probs)
+        return DSparkProposal(tokens=tokens, num_tokens=torch.full((R,), g), probs=probs, vocab=vocab,
                               confidences=self._calibrate(conf), confidence_logits=conf)
 
     def _sample_block(self, h: torch.Tensor, base: torch.Tensor, prev: torch.Tensor, requests):
         """Left to right: slot k's logits = U_k + head bias(x_{k−1}), x_{k−1} the token actually drawn.
-        h: [R, γ, d]; base: [R, γ, Vd] -> tokens [R, γ], probs [R, γ, V] fp32 (zero outside the draft
-        vocabulary; None when every request is greedy), confidence logits [R, γ]."""
+        h: [R, γ, d]; base: [R, γ, Vd] -> tokens [R, γ], probs [R, γ, Vd] fp32 over the draft vocabulary (None
+        when every request is greedy), confidence logits [R, γ]."""
         R, gamma, V = base.shape
         model, head = self.model, self.model.head
         tokens = torch.empty(R, gamma + 1, dtype=torch.long)  # column 0: the anchor, the token before slot 1
@@ -152,7 +155,7 @@ class DSparkDrafter(BatchFirstDrafter):
         # Slot k's confidence reads h_k and the token drawn before it, both known once the block is drawn, and
         # nothing sampled reads it: one product over the block instead of γ one-row ones (~0.8 ms at one request).
         conf = model.confidence_logits(h, tokens[:, :gamma])  # [R, γ] or None
-        return tokens[:, 1:].contiguous(), None if probs is None else model.scatter_probs(probs), conf
+        return tokens[:, 1:].contiguous(), probs, conf
 
     @staticmethod
     def _process(logits: torch.Tensor, requests) -> torch.Tensor:

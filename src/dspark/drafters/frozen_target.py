@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..decoding.verify import DraftVocab
 from ..models.layers import RotaryTable
 
 
@@ -82,6 +83,17 @@ class DraftVocabMixin:
     def to_full(self, local: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary positions -> target token ids."""
         return local if self.vocab_ids is None else self.vocab_ids[local]
+
+    def draft_vocab(self) -> DraftVocab | None:
+        """The draft vocabulary as verification reads it (None: the whole vocabulary), built once per set of ids."""
+        if self.vocab_ids is None:
+            return None
+        key = (self.vocab_ids.data_ptr(), self.vocab_ids._version)
+        cached = self.__dict__.get("_draft_vocab")
+        if cached is None or cached[0] != key:
+            cached = (key, DraftVocab.of(self.vocab_ids.cpu(), self.frozen.lm_head.shape[0]))
+            self.__dict__["_draft_vocab"] = cached  # a plain attribute: not a parameter, buffer or state
+        return cached[1]
 
     def scatter_probs(self, probs: torch.Tensor) -> torch.Tensor:
         """[..., Vd] -> [..., V] with zeros outside the draft vocabulary."""

@@ -265,7 +265,8 @@ class Engine:
                                  [r.generator for r in reqs], self._stop_mask(reqs, plan.drafts, plan.lengths),
                                  table=(out.logits, [rows.start for rows in plan.decode_logit_rows]),
                                  histories=[r.output for r in reqs], stop_ids=[self._stop_ids(r) for r in reqs],
-                                 prompts=[r.prompt for r in reqs], draft_rows=plan.draft_rows)
+                                 prompts=[r.prompt for r in reqs], draft_rows=plan.draft_rows,
+                                 draft_vocab=plan.draft_vocab)
         observe = getattr(self.policy, "observe_outcomes", None)  # online calibration (scheduling/acceptance_tracker)
         if observe is not None and plan.confidences is not None:
             observe(plan.confidences, plan.lengths.numpy(), result.accepted.numpy())

@@ -150,17 +150,18 @@ class Generation:
         # positions left in the context (the engine's room, engine/step_plan.py).
         left = self.target.max_position - len(request.tokens)
         budget = min(self.params.max_new_tokens - self.stats.new_tokens, left) - 1
-        drafts, probs, n = torch.zeros(1, 0, dtype=torch.long), None, 0
+        drafts, probs, n, vocab = torch.zeros(1, 0, dtype=torch.long), None, 0, None
         t0 = time.perf_counter()
         if self.drafter is not None and budget > 0:
             proposal = self.drafter.propose([request])
             n = min(int(proposal.num_tokens[0]), budget)
             drafts = proposal.tokens[:, :n]
             probs = None if proposal.probs is None else proposal.probs[:, :n]
+            vocab = getattr(proposal, "vocab", None)  # probs over a draft vocabulary (None: the whole one)
         t1 = time.perf_counter()
         logits = self.target.forward(state, start, [request.tokens[-1], *drafts[0].tolist()])  # [n+1, V]
         t2 = time.perf_counter()
-        result = self._verify(drafts, probs, logits.unsqueeze(0), n, request.tokens[len(self.prompt):])
+        result = self._verify(drafts, probs, logits.unsqueeze(0), n, request.tokens[len(self.prompt):], vocab)
         accepted = int(result.accepted[0])
         t3 = time.perf_counter()
         self.target.truncate(state, start + accepted + 1)  # keep the anchor and the accepted drafts
@@ -177,7 +178,7 @@ class Generation:
         if self.drafter is not None and hidden:
             self.drafter.observe(request, hidden, n_committed)
 
-    def _verify(self, drafts, probs, logits, n: int, history=()):
+    def _verify(self, drafts, probs, logits, n: int, history=(), vocab=None):
         """history: the tokens generated so far (the anchor last), which penalties and min_tokens count."""
         num = torch.tensor([n])
         logits = target_logits(logits[0], self.params, history, drafts[0], self.stop_set, self.prompt).unsqueeze(0)
@@ -185,7 +186,7 @@ class Generation:
             return verify_greedy(drafts, logits, num, self.stop_ids)
         target_probs = to_probs(logits, self.params)  # [1, n+1, V]
         uniforms = draw_uniforms([self.generator], num, n)
-        return verify(drafts, probs, target_probs, num, uniforms, self.stop_ids)
+        return verify(drafts, probs, target_probs, num, uniforms, self.stop_ids, vocab)
 
     def _emit(self, tokens: list[int], request: DraftRequest) -> Iterator[list[int]]:
         room = self.params.max_new_tokens - self.stats.new_tokens

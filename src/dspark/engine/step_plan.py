@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..decoding.verify import DraftVocab
 from ..models.transformer import Segment
 from .request import Request, Status
 
@@ -19,7 +20,8 @@ class StepPlan:
     decoding: list[Request] = field(default_factory=list)
     drafts: torch.Tensor | None = None  # [R, g], g ≤ γ slots drafted
     lengths: torch.Tensor | None = None  # [R] ℓ_r chosen by the policy
-    draft_probs: torch.Tensor | None = None  # [R_d, g, V] or None (point masses)
+    draft_probs: torch.Tensor | None = None  # [R_d, g, V] or None (point masses); [R_d, g, Vd] with draft_vocab
+    draft_vocab: DraftVocab | None = None  # the draft vocabulary draft_probs covers (None: the whole one)
     draft_rows: list[int] | None = None  # rows of `decoding` draft_probs belongs to (a probe's few; None: all R)
     confidences: np.ndarray | None = None  # [R, g]
     confidence_logits: np.ndarray | None = None  # [R, g] raw head logits, before calibration (for `calibrate`)
@@ -82,7 +84,8 @@ def _draft(decoding: list[Request], drafter, policy, gamma: int, max_position: i
                          for r in decoding])  # tokens a round may add beyond the anchor
     lengths = torch.minimum(torch.minimum(chosen, num), room.clamp(min=0))
     return StepPlan(tokens=torch.empty(0), segments=[], logit_rows=torch.empty(0), decoding=decoding,
-                    drafts=tokens[:, :gamma], lengths=lengths, draft_probs=probs, draft_rows=rows, confidences=conf,
+                    drafts=tokens[:, :gamma], lengths=lengths, draft_probs=probs, draft_vocab=proposal.vocab,
+                    draft_rows=rows, confidences=conf,
                     confidence_logits=None if raw is None else raw[:, :gamma],
                     propose_seconds=now - t0,  # feeding included: it is the drafter's model work
                     draft_call_seconds=now - t_call, drafted_requests=len(subset), draft_depth=depth)
