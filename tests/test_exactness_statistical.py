@@ -144,8 +144,9 @@ def test_accept_always_verifier_is_caught(monkeypatch):
     """The same test must reject a verifier that keeps every draft the target does not forbid."""
     real_verify = speculative.verify
 
-    def accept_always(draft_tokens, draft_probs, target_probs, num_draft, uniforms, stop_ids=None):
-        return real_verify(draft_tokens, draft_probs, target_probs, num_draft, torch.zeros_like(uniforms), stop_ids)
+    def accept_always(draft_tokens, draft_probs, target_probs, num_draft, uniforms, stop_ids=None, vocab=None):
+        return real_verify(draft_tokens, draft_probs, target_probs, num_draft, torch.zeros_like(uniforms), stop_ids,
+                           vocab)
 
     monkeypatch.setattr(speculative, "verify", accept_always)
     target = TableTarget()

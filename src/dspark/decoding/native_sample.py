@@ -129,8 +129,8 @@ def _next_self_check(fn) -> bool:
        tokens.data_ptr(), 1, None, 0)
     if not torch.equal(tokens, want):
         return False
-    # row 0 again with its draft row held in a draft vocabulary (every other token): the same residual, so the same
-    qmap = torch.arange(0, p.shape[1], 2)  # token
+    # row 0 again, its draft row held in a draft vocabulary (every other token): the same residual, the same token
+    qmap = torch.arange(0, p.shape[1], 2)
     compact = q[0, qmap].contiguous()
     full = torch.zeros_like(q[0])
     full[qmap] = compact

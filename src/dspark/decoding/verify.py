@@ -30,7 +30,7 @@ class VerifyResult:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: tensors have no truth value
 class DraftVocab:
     """A drafter's vocabulary inside the target's: draft distributions [..., Vd] whose entry j is target token ids[j]
     (q = 0 on every other token), verified as they are instead of scattered into [..., V] first (a DSpark drafter
