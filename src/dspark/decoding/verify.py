@@ -112,23 +112,10 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
     processed with the same SamplingParams; num_draft: [R] ℓ_r; uniforms: [R, γ+1] (slots 0..ℓ_r-1 test
     acceptance, slot ℓ_r drives the replacement or bonus draw); stop_ids: [S] tokens that end a request.
     """
-    R, gamma = draft_tokens.shape
-    if gamma == 0:  # nothing verified (most requests of a busy step): the rule below reduces to one draw from p_1
-        return VerifyResult(accepted=torch.zeros(R, dtype=torch.long),
-                            next_token=sample_from(target_probs[:, 0], uniforms[:, 0]),
-                            stopped=torch.zeros(R, dtype=torch.bool))
-    p_x = target_probs[:, :gamma].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).double()  # [R, γ]
-    local = draft_tokens if vocab is None or draft_probs is None else vocab.local(draft_tokens)
-    q_x = None if draft_probs is None else draft_probs.gather(-1, local.unsqueeze(-1)).squeeze(-1).double()
-    # u < p/q written as u·q < p: exact for q = 1 and never accepts a token the target gives zero mass.
-    ok = (uniforms[:, :gamma] < p_x) if q_x is None else (uniforms[:, :gamma] * q_x < p_x)  # [R, γ]
-    accepted, stopped = _accepted_runs(ok.tolist(), num_draft.tolist(), _stop_rows(draft_tokens, stop_ids))
-    # Slot ℓ_r is never used by an acceptance test. Reusing the rejecting slot's uniform would be a bug:
-    # a rejection means that uniform was large, which would skew the replacement toward late CDF tokens.
-    u_next = uniforms[torch.arange(R), num_draft]
-    next_token = draw_next(draft_tokens, draft_probs, target_probs, accepted, accepted < num_draft, u_next, vocab)
-    next_token = torch.where(stopped, torch.full_like(next_token, -1), next_token)
-    return VerifyResult(accepted=accepted, next_token=next_token, stopped=stopped)
+    R, rows = target_probs.shape[0], target_probs.shape[1]
+    # one rule for both layouts: request r's rows are r·(γ+1) .. of the flattened [R·(γ+1), V] (a view when contiguous)
+    return verify_rows(draft_tokens, draft_probs, target_probs.reshape(R * rows, -1), [r * rows for r in range(R)],
+                       num_draft.tolist(), uniforms, stop_ids, vocab=vocab)
 
 
 def draw_next(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
@@ -193,9 +180,10 @@ def verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, pr
                 q_rows: list[int] | None = None, vocab: DraftVocab | None = None) -> VerifyResult:
     """`verify` over one table of target distributions probs [M, V], request r's ℓ_r + 1 rows being probs[first[r]
     : first[r] + ℓ_r + 1]: ragged blocks need no padded [R, γ + 1, V] copy, and requests that verify nothing join
-    the same call. draft_tokens [R, w] (w >= max ℓ_r); draft_probs [R_d, ≥w, V] (or [.., Vd] over ``vocab``) or None,
-    request r's row q_rows[r] (None: row r); num_draft [R] ℓ_r as ints; uniforms [R, w + 1]. The same tests on the same values as `verify`, so
-    the same tokens (tests/test_decoding.py)."""
+    the same call. draft_tokens [R, w] (w >= max ℓ_r); draft_probs [R_d, ≥w, V] (or [.., Vd] over ``vocab``) or
+    None, request r's row q_rows[r] (None: row r); num_draft [R] ℓ_r as ints; uniforms [R, w + 1] (slots 0..ℓ_r-1
+    test acceptance; slot ℓ_r, never an acceptance test's, drives the replacement or bonus draw: reusing the
+    rejecting slot's uniform would skew the replacement toward late CDF tokens)."""
     R = len(num_draft)
     pairs = [(r, k) for r, n in enumerate(num_draft) for k in range(n)]  # every verified (request, slot)
     if not pairs:  # nothing verified (plain decoding, a skipped step): one draw from each request's only row
@@ -211,7 +199,8 @@ def verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, pr
     else:
         q_i = r_i if q_rows is None else torch.tensor(q_rows)[r_i]
         q_x = draft_probs[q_i, k_i, x if vocab is None else vocab.local(x)].double()
-        flat = (u * q_x < p_x).tolist()  # u·q < p, as verify
+        # u < p/q written as u·q < p: exact for q = 1 and never accepts a token the target gives zero mass
+        flat = (u * q_x < p_x).tolist()
     ok, at = [], 0
     for n in num_draft:
         ok.append(flat[at: at + n])

@@ -157,7 +157,7 @@ class Generation:
             n = min(int(proposal.num_tokens[0]), budget)
             drafts = proposal.tokens[:, :n]
             probs = None if proposal.probs is None else proposal.probs[:, :n]
-            vocab = getattr(proposal, "vocab", None)  # probs over a draft vocabulary (None: the whole one)
+            vocab = proposal.vocab  # probs over a draft vocabulary (None: the whole one)
         t1 = time.perf_counter()
         logits = self.target.forward(state, start, [request.tokens[-1], *drafts[0].tolist()])  # [n+1, V]
         t2 = time.perf_counter()
