@@ -3,6 +3,7 @@ PY      ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+TEST_WORKERS ?= 2  # pytest-xdist processes; 0 runs the suite in this process
 PROMPT  ?= Write a Python function that returns the n-th Fibonacci number.
 
 .PHONY: demo test bench install clean
@@ -24,7 +25,7 @@ demo: $(STAMP)
 	$(BIN)/dspark generate --prompt "$(PROMPT)" --max-new-tokens 128
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=15
 
 bench: $(STAMP)
 	$(BIN)/dspark bench runtime

@@ -14,8 +14,9 @@ SHARED_CACHE_PARTS = ("models", "native")
 
 
 def pytest_configure(config):
+    share_cores()
     if os.environ.get("DSPARK_TEST_CACHE_ISOLATED"):
-        return  # a subprocess of the suite, or a nested run: already isolated
+        return  # a worker or subprocess of the suite, or a nested run: already isolated (workers share the root)
     user = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
     root = Path(tempfile.mkdtemp(prefix="dspark-test-cache-"))
     for part in SHARED_CACHE_PARTS:
@@ -24,6 +25,17 @@ def pytest_configure(config):
     os.environ["DSPARK_CACHE"] = str(root)
     os.environ["DSPARK_TEST_CACHE_ISOLATED"] = "1"
     config._dspark_test_cache = root
+
+
+def share_cores():
+    """Under `pytest -n N` each worker gets its share of the cores: most of the suite is Python-bound (tiny models,
+    tens of thousands of small steps), where a second intra-op thread only spins, so N workers on N cores run it
+    about N times as fast; tests that need several threads set them themselves."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_unconfigure(config):
