@@ -3,7 +3,8 @@ PY      ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
-TEST_WORKERS ?= 2  # pytest-xdist processes; 0 runs the suite in this process
+# pytest-xdist processes for `make test`; TEST_WORKERS=0 runs the suite in one process
+TEST_WORKERS ?= 2
 PROMPT  ?= Write a Python function that returns the n-th Fibonacci number.
 
 .PHONY: demo test bench install clean
