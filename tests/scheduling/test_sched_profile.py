@@ -157,7 +157,7 @@ def test_cache_round_trip(tmp_path):
     back = load_cached_profile(path, KEY)
     assert back == PROF
     assert back.step_s(40) == PROF.step_s(40)
-    assert json.loads(path.read_text())["version"] == 14
+    assert json.loads(path.read_text())["version"] == 15
     deep = SpeedProfile(PROF.tokens, PROF.seconds, PROF.draft_requests, PROF.draft_seconds, key=KEY,
                         shallow_draft_seconds=(0.01, 0.05), draft_depth=7)
     assert load_cached_profile(save_profile(deep, tmp_path / "deep.json"), KEY) == deep
@@ -457,3 +457,39 @@ def test_engine_table_points_map_to_the_grid_cells_running_the_same_step():
         assert cell is None or [cell[1]] * cell[0] == _split(b)
     pooled = [b for b in PROFILE_TOKENS if table_cell(b) in {(r, k) for r in PROFILE_REQUESTS for k in GRID_TOKENS}]
     assert pooled == [1, 2, 4, 8, 16, 32, 64]  # 12, 24, 48 are 3, 6, 12 requests: timed on their own
+
+
+def test_low_load_steps_are_timed_until_their_prices_are_precise():
+    # Every grid cell and the proposals of 8 requests scatter by 8 % (sd) from one sample to the next; only the
+    # steps of <= 2 requests are timed further, until each median's error is under 1 % (~100 samples) or the extra
+    # time runs out (at most the rounds' own time: a 0.64 s table point makes them ~9 s). A steady job needs no
+    # extra sample.
+    clock = FakeClock()
+    rng = np.random.default_rng(0)
+    noisy = lambda base: base * (1 + 0.08 * rng.standard_normal())  # noqa: E731
+    grid = clock.job("grid", cost=lambda r, k: noisy(1e-3 * (10 * r + k)))
+    draft = clock.job("draft", cost=lambda r: noisy(1e-4 * r) if r > 1 else 1e-4)
+    kw = dict(repeats=10, warmup=0, grid_fn=grid, grid_requests=[1, 2, 8], grid_tokens=[1, 2], draft_fn=draft,
+              request_counts=[1, 8], timer=clock, shuffle_seed=0, precise_requests=2)
+    table = clock.job("table", cost=lambda b: 1e-3 * b)
+    prof = measure_profile(table, [1, 640], precise_seconds=60.0, **kw)
+    counts = {tag: clock.order.count(tag) for tag in set(clock.order)}
+    assert counts[("grid", 8, 1)] == counts[("grid", 8, 2)] == counts[("draft", 8)] == 10  # under load: the rounds
+    assert counts[("draft", 1)] == counts[("table", 640)] == 10  # steady / under load
+    assert all(60 < counts[("grid", r, k)] < 400 for r in (1, 2) for k in (1, 2))
+    assert prof.source.startswith("measured (steps of <= 2 requests to ±")
+    np.testing.assert_allclose(prof.grid_seconds[:2], [[11e-3, 12e-3], [21e-3, 22e-3]], rtol=0.03)  # 3 errors
+    assert 8.5 < clock.now < 2 * 10 * 0.95  # the rounds (~0.9 s each), and no more than that again
+
+    clock.order.clear()
+    start = clock.now
+    off = measure_profile(table, [1, 640], **kw)  # no extra time: off
+    rounds = clock.now - start
+    assert off.source == "measured" and all(n == 10 for n in map(clock.order.count, set(clock.order)))
+    start = clock.now  # a short budget stops the extra sub-rounds when it runs out, mid-round if need be
+    short = measure_profile(table, [1, 640], precise_seconds=0.5, **kw)
+    assert clock.now - start < 1.2 * rounds + 0.5 + 0.03
+    assert float(short.source.split("±")[1].split()[0]) > 1.0  # the error it could not reach, said
+    for bad in (dict(precise_requests=-1), dict(precise_seconds=-1.0), dict(precision=0.0)):
+        with pytest.raises(ValueError, match="precise_requests"):
+            measure_profile(clock.job(cost=lambda b: 1e-3), [1], **{**kw, **bad})

@@ -42,6 +42,13 @@ CONTEXT_CELLS = ((1, 1), (1, 8), (4, 1), (4, 8))
 PREFILL_TOKENS = (16, 32, 64, 128, 256, 512)
 MIN_JOB_SECONDS = 0.1  # steps cheaper than this get up to 4 samples per round (the low-load ones that decide)
 REFERENCE_EVERY = 0.25  # seconds: every sample is read against a plain step timed at most this long before it
+# The steps of up to PRECISE_REQUESTS requests (where the async scheduler weighs prices a few per cent apart) are
+# timed further, until each median's standard error is under PRECISION or PRECISE_SECONDS have passed: on a quiet
+# machine the first rounds suffice; on the AVX2 EPYC of sessions 50-51 a sample scatters by ~10 % and ~18 samples
+# left prices ~3 % off (scheduling/profile_measure.py).
+PRECISE_REQUESTS = 4
+PRECISION = 0.01
+PRECISE_SECONDS = 120.0
 log = logging.getLogger("dspark")
 
 
@@ -199,7 +206,8 @@ def measure_raw(model: Transformer, key: ProfileKey, drafter=None, prefill: bool
                            tokens_per_segment=TOKENS_PER_REQUEST, grid_fn=grid_step_fn(model, caches),
                            grid_requests=PROFILE_REQUESTS, grid_tokens=GRID_TOKENS,
                            min_job_seconds=MIN_JOB_SECONDS, shuffle_seed=0, table_cell=table_cell,
-                           reference_every=REFERENCE_EVERY, **extra)
+                           reference_every=REFERENCE_EVERY, precise_requests=PRECISE_REQUESTS,
+                           precision=PRECISION, precise_seconds=PRECISE_SECONDS, **extra)
 
 
 def profile_key(model_id: str, dtype: str, drafter_id: str, model: Transformer) -> ProfileKey:

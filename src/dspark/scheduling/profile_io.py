@@ -22,12 +22,13 @@ from ._jsonio import FileFormatError, check_header, read_json, write_json_atomic
 from .profile import ProfileKey, SpeedProfile
 
 FORMAT = "dspark.speed_profile"
-VERSION = 14  # 2: segment_seconds / tokens_per_segment; 3: shallow_draft_seconds / draft_depth; 4: the (R, k)
+VERSION = 15  # 2: segment_seconds / tokens_per_segment; 3: shallow_draft_seconds / draft_depth; 4: the (R, k)
 # grid; 5: drafting timed in the same rounds as the target's steps; 6: cheap steps sampled more, rounds shuffled;
 # 7: grid k = 1, 2, 3, 4, 5, 8; 8: oneDNN rows 9-32 padded to a multiple of 4, not 16; 9: rows past 32 padded by
 # under 1/8, not to a multiple of 16 or 128; 10: the prefill table (older: re-measured); 11: context prices;
 # 12: drafting timed at every depth (depth_draft_seconds); 13: with a drafter, the engine's own work priced in
-# (engine/overhead.py); 14: that work added as seconds (commit, feed; scheduling/engine_work.py), not as factors
+# (engine/overhead.py); 14: that work added as seconds (commit, feed; scheduling/engine_work.py), not as factors;
+# 15: steps of <= 4 requests timed until their medians' errors are under 1 % (up to 120 s more)
 
 
 class ProfileFormatError(FileFormatError):

@@ -53,16 +53,27 @@ class _Samples:
         if j == self.reference:
             self._last = t1
 
-    def medians(self) -> list[float]:
+    def read(self, j: int) -> np.ndarray:
+        """Job j's samples as the medians read them: each divided by the reference's last timing before it (or at
+        it), times the reference's median; without a reference, as timed."""
+        ts = np.asarray(self.times[j])
         if self.reference is None:
-            return [float(np.median(ts)) for ts in self.times]
+            return ts
         ref_at, ref_s = np.asarray(self.at[self.reference]), np.asarray(self.times[self.reference])
-        scale = float(np.median(ref_s))
+        before = ref_s[np.maximum(np.searchsorted(ref_at, self.at[j], side="right") - 1, 0)]
+        return ts / before * float(np.median(ref_s))
 
-        def before(at: list[float]) -> np.ndarray:  # the reference's last timing before each sample (or at it)
-            return ref_s[np.maximum(np.searchsorted(ref_at, at, side="right") - 1, 0)]
+    def medians(self) -> list[float]:
+        return [float(np.median(self.read(j))) for j in range(len(self.times))]
 
-        return [scale * float(np.median(np.asarray(ts) / before(at))) for ts, at in zip(self.times, self.at)]
+    def relative_error(self, j: int) -> float:
+        """The standard error of job j's median over the median (inf below 3 samples), from the samples' spread:
+        1.2533 · 1.4826 · MAD / sqrt(n), robust to the one stall in a few hundred steps that a variance is not."""
+        x = self.read(j)
+        if len(x) < 3:
+            return float("inf")
+        mid = float(np.median(x))
+        return 1.2533 * 1.4826 * float(np.median(np.abs(x - mid))) / (np.sqrt(len(x)) * mid) if mid > 0 else 0.0
 
 
 
@@ -97,6 +108,9 @@ def measure_profile(
     shuffle_seed: int | None = None,
     table_cell: Callable[[int], tuple[int, int] | None] | None = None,
     reference_every: float = 0.0,
+    precise_requests: int = 0,
+    precision: float = 0.01,
+    precise_seconds: float = 0.0,
 ) -> SpeedProfile:
     """Time ``step_fn(B)`` for each B (median of ``repeats`` after ``warmup`` untimed calls).
 
@@ -144,22 +158,38 @@ def measure_profile(
     cheaper: two profiles measured minutes apart priced a 2-request step verifying 2 drafts each 1.7 and 1.0 ms
     over one verifying 1, and plain decoding of one request at 15.5 and 20.0 ms
     (results/profile-drift-s41/profile-noref-*.json).
+    With ``precise_requests`` > 0 and ``precise_seconds`` > 0, the steps of at most that many requests (grid cells,
+    table points, proposals) are timed in further shuffled sub-rounds after the ``repeats`` rounds, each sub-round
+    over those whose median's standard error (``_Samples.relative_error``) is still above ``precision``, until none
+    is or ``precise_seconds`` have passed (at most as long as the rounds took: a tiny model's profile stays quick);
+    ``source`` then says the worst error left. At low load the scheduler
+    weighs prices a few per cent apart: on the AVX2 EPYC of session 50 a step's time scattered by ~10 % from one
+    sample to the next even read against the reference (results/phase-ratios-s51), so the ~18 samples of a cheap
+    cell left its price ~3 % off; the profile there priced a 2-request step verifying a draft each at 1.11x a plain
+    one where the engine ran it at 1.16x, and a 1-request step of 3 tokens at 1.00x one of 2 where it cost 1.12x,
+    and the async scheduler drafted where plain decoding, and MTP-1, were faster.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if not (reference_every >= 0):
         raise ValueError(f"reference_every must be >= 0 (0: no reference), got {reference_every!r}")
+    if precise_requests < 0 or not (precise_seconds >= 0) or not (precision > 0):
+        raise ValueError(f"need precise_requests >= 0, precise_seconds >= 0 and precision > 0, got "
+                         f"{precise_requests!r}, {precise_seconds!r}, {precision!r}")
     if not (min_job_seconds >= 0) or max_samples_per_round < 1:
         raise ValueError(f"min_job_seconds must be >= 0 and max_samples_per_round >= 1, got {min_job_seconds!r}, "
                          f"{max_samples_per_round!r}")
 
-    def median_times(jobs: list[tuple[Callable[[int], object], int]], targets: int) -> list[float]:
-        """Median seconds of each job; the reference is the cheapest of the first ``targets`` (the target's steps:
-        the drafter's weights fit in cache where the target's stream from memory, so they drift differently)."""
+    def median_times(jobs: list[tuple[Callable[[int], object], int]], targets: int,
+                     precise: list[int]) -> tuple[list[float], float]:
+        """Median seconds of each job, and the worst relative error left among the ``precise`` jobs (0: none);
+        the reference is the cheapest of the first ``targets`` (the target's steps: the drafter's weights fit in
+        cache where the target's stream from memory, so they drift differently)."""
         warm = [_samples_per_round(fn, n, warmup, min_job_seconds, max_samples_per_round, timer) for fn, n in jobs]
         reps = [k for k, _ in warm]
         reference = min(range(targets), key=lambda j: warm[j][1]) if reference_every > 0 and targets else None
         samples = _Samples(len(jobs), reference, reference_every, timer)
+        started = timer()
         rng = random.Random(shuffle_seed)
         for _ in range(repeats):
             for sub in range(max(reps)):  # sub-rounds keep a cheap job's extra samples spread over the round
@@ -168,7 +198,18 @@ def measure_profile(
                     rng.shuffle(visit)
                 for j in visit:
                     samples.run(jobs, j)
-        return samples.medians()
+        deadline = timer() + min(precise_seconds, timer() - started)  # at most doubling the measurement
+        while precise_seconds > 0 and timer() < deadline:
+            visit = [j for j in precise if samples.relative_error(j) > precision]
+            if not visit:
+                break
+            if shuffle_seed is not None:
+                rng.shuffle(visit)
+            for j in visit:
+                if timer() >= deadline:
+                    break
+                samples.run(jobs, j)
+        return samples.medians(), max((samples.relative_error(j) for j in precise), default=0.0)
 
     tokens = sorted({int(b) for b in token_counts})
     segments = max(1, tokens[-1] // tokens_per_segment) if tokens_per_segment else 1
@@ -189,6 +230,7 @@ def measure_profile(
     mid = list(range(2, draft_depth)) if shallow and depth_draft_fn is not None else []
     draft_jobs = ([(draft_fn, r) for r in reqs] + ([(shallow_draft_fn, r) for r in reqs] if shallow else [])
                   + [(functools.partial(depth_draft_fn, r), d) for d in mid for r in reqs])
+    draft_loads = reqs * (1 + shallow + len(mid))  # each drafting job's request count
     # Drafting is timed in the same rounds as the target's steps: the scheduler weighs one against the other, so
     # a slow phase must not land on one block of them only; and each proposal then follows a target forward, as
     # in the engine, where the target has just pushed the drafter's weights out of the caches.
@@ -198,7 +240,13 @@ def measure_profile(
     same = {b: cells.get(table_cell(b)) for b in tokens} if table_cell is not None else {}
     own = [b for b in tokens if same.get(b) is None]
     target_jobs = [(step_fn, b) for b in own] + ([(one_segment_fn, tokens[-1])] if split_both else []) + grid_jobs
-    t = median_times(target_jobs + prefill_jobs + context_jobs + later_jobs + draft_jobs, len(target_jobs))
+    # the low-load steps timed to ``precision``: their request counts, job by job (0: not one of them)
+    loads = ([max(1, b // tokens_per_segment) if tokens_per_segment else 1 for b in own] + [0] * int(split_both)
+             + [r for r in g_req for _ in g_tok] + [0] * (len(prefill_jobs) + len(context_jobs) + len(later_jobs))
+             + draft_loads)
+    precise = [j for j, r in enumerate(loads) if 0 < r <= precise_requests]
+    t, error = median_times(target_jobs + prefill_jobs + context_jobs + later_jobs + draft_jobs, len(target_jobs),
+                            precise)
     own_s, t = dict(zip(own, t[:len(own)])), t[len(own):]
     one_request, t = (t[0] if split_both else 0.0), t[int(split_both):]
     grid_flat, t = t[:len(grid_jobs)], t[len(grid_jobs):]
@@ -217,7 +265,9 @@ def measure_profile(
     if c_cells and context_tokens[1] != context_tokens[0]:
         deltas = [long - grid_flat[cells[rk]] for rk, long in zip(c_cells, context_flat)]
         per_request_s, per_token_s = fit_context_cost(c_cells, deltas, context_tokens[1] - context_tokens[0])
-    return SpeedProfile(tuple(tokens), tuple(seconds), tuple(reqs), tuple(dsec), key=key, source="measured",
+    return SpeedProfile(tuple(tokens), tuple(seconds), tuple(reqs), tuple(dsec), key=key,
+                        source=f"measured (steps of <= {precise_requests} requests to ±{100 * error:.1f} %)"
+                        if precise and precise_seconds > 0 else "measured",
                         segment_seconds=seg_s, tokens_per_segment=tokens_per_segment if split_both else 0,
                         shallow_draft_seconds=tuple(shallow_sec), draft_depth=draft_depth if shallow else 0,
                         depth_draft_seconds=mid_sec,
