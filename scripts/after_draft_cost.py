@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -24,14 +23,9 @@ from dspark.bench.common import machine_info, markdown_table, write_results
 from dspark.drafters import make_drafter
 from dspark.engine.profiling import _warm_caches, drafter_step_fn, grid_step_fn
 from dspark.models import load_model
+from step_order_cost import timed  # scripts/: run as a script, its folder is on the path
 
 SHAPES = ((1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (8, 2))
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
