@@ -163,7 +163,7 @@ def measure_profile(
     over those whose median's standard error (``_Samples.relative_error``) is still above ``precision``, until none
     is or ``precise_seconds`` have passed (at most as long as the rounds took: a tiny model's profile stays quick);
     ``source`` then says the worst error left. At low load the scheduler
-    weighs prices a few per cent apart: on the AVX2 EPYC of session 50 a step's time scattered by ~10 % from one
+    weighs prices a few per cent apart: on the AVX2 EPYC of sessions 50-51 a step's time scattered by ~10 % from one
     sample to the next even read against the reference (results/phase-ratios-s51), so the ~18 samples of a cheap
     cell left its price ~3 % off; the profile there priced a 2-request step verifying a draft each at 1.11x a plain
     one where the engine ran it at 1.16x, and a 1-request step of 3 tokens at 1.00x one of 2 where it cost 1.12x,
