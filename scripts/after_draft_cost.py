@@ -66,7 +66,7 @@ def main() -> None:
             row["verify:plain engine order"] = round(b / plain, 3)
             row["verify:plain both after target"] = round(a / plain, 3)
         rows.append(row)
-    headers = list(rows[1].keys())
+    headers = list(max(rows, key=len).keys())  # rows with k > 1 carry the verify : plain columns
     table = markdown_table(headers, [[row.get(h, "") for h in headers] for row in rows])
     print(table)
     if args.out:
