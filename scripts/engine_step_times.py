@@ -126,6 +126,7 @@ def confidence_check(loop: ClosedLoop, seconds: float) -> None:
 def async_decisions(loop: ClosedLoop, seconds: float) -> None:
     engine, policy = loop.engine, loop.engine.policy
     steps, verified, accepted = collections.Counter(), collections.Counter(), collections.Counter()
+    depths = collections.defaultdict(collections.Counter)  # kind -> slots drafted -> steps
     timed = collections.defaultdict(list)  # kind -> (R, step s, drafter s) of its decode-only steps
     ratios = []  # at each probe: Θ_K / Θ_0 of the best K the last pool priced
     t_end = time.time() + seconds
@@ -142,6 +143,7 @@ def async_decisions(loop: ClosedLoop, seconds: float) -> None:
         if k is None and policy.last_ratio is not None:  # a probe: what the pool before it priced
             ratios.append(policy.last_ratio)
         verified[kind] += int(plan.lengths.sum())
+        depths[kind][plan.draft_depth] += 1
         accepted[kind] += st.num_accepted_tokens - before[0]
         if not plan.prefilling and st.steps > before[1]:
             timed[kind].append((len(plan.decoding), st.step_seconds_total - before[2],
@@ -149,7 +151,8 @@ def async_decisions(loop: ClosedLoop, seconds: float) -> None:
     st = engine.stats
     for kind, n in steps.most_common():
         print(f"{kind:20s} {n:6d} steps ({100 * n / sum(steps.values()):5.1f} %), {verified[kind]:6d} drafts verified, "
-              f"{accepted[kind]:5d} accepted ({100 * accepted[kind] / max(1, verified[kind]):.1f} %)")
+              f"{accepted[kind]:5d} accepted ({100 * accepted[kind] / max(1, verified[kind]):.1f} %); slots drafted: "
+              + ", ".join(f"{d} x{m}" for d, m in sorted(depths[kind].items())))
     print(f"{st.generation_tokens / loop.clock:.1f} tok/s; accepted {st.num_accepted_tokens} of {st.num_draft_tokens} "
           f"verified drafts ({100 * st.num_accepted_tokens / max(1, st.num_draft_tokens):.1f} %)")
     if ratios:

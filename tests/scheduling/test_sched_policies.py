@@ -766,14 +766,23 @@ def test_async_policy_prices_k_from_kept_survivals_exactly_as_from_confidences()
 
 
 def ref_capacity_and_depth(steps, prof, base):
-    """Every (K, depth) by brute force: depth d priced from the pooled steps that drafted >= d slots, truncated."""
+    """Every (K, depth) by brute force: depth 1 priced from every pooled step, depth d from depth d - 1's gains
+    times what the steps that drafted >= d slots gain truncated to d over the same steps truncated to d - 1."""
     from dspark.scheduling.policies import pooled_gains
 
+    def flat(g, size):  # gains past the last slot stay flat
+        return np.concatenate([g, np.full(size - g.size, g[-1])])
+
     plain = base / prof.step_s(base, n_requests=base)
-    best = (0, 0, -np.inf)
+    best, gains = (0, 0, -np.inf), None
     for d in range(1, max(c.shape[1] for c in steps) + 1):
-        gains = pooled_gains([c[:, :d] for c in steps if c.shape[1] >= d], n_requests=base)
-        for k in range(1, base * d + 1):
+        deep = [c for c in steps if c.shape[1] >= d]
+        here = pooled_gains([c[:, :d] for c in deep], n_requests=base)
+        if gains is not None:
+            lower = flat(pooled_gains([c[:, :d - 1] for c in deep], n_requests=base), here.size)
+            here = flat(gains, here.size) * np.divide(here, lower, out=np.ones_like(here), where=lower > 0)
+        gains = here
+        for k in range(d, base * d + 1):  # K < d: slots no request could verify
             theta = (base + gains[k]) * prof.sps(base + k, n_requests=base, depth=d)
             if theta > best[2]:
                 best = (k, d, theta)
@@ -799,6 +808,30 @@ def test_capacity_and_depth_matches_brute_force_over_mixed_pools():
         assert 1 <= k <= base * d
         depths_chosen.add(d)
     assert len(depths_chosen) >= 3
+
+
+def test_a_thin_deep_sample_sets_the_next_slots_odds_not_the_level():
+    """At one request seven pooled steps drafted one slot (confidence 0.3) and a probe drafted seven (0.95 then
+    0.9 each). The level, slot 1, comes from all eight steps; the probe only says how likely each further slot is
+    once the one before it is accepted, so K's gain is 0.38125·(1 + 0.9 + ... + 0.9^(K-1)). Priced from the probe
+    alone, depth 7 looked worth drafting for K = 1 (a 0.95 first slot), slots nothing could verify. And over
+    random pools of one batch size no depth deeper than K is ever chosen."""
+    from dspark.scheduling.depth_pricing import capacity_and_depth, depth_survivals
+
+    prof = SpeedProfile((1, 4, 8, 16), (1.0, 1.05, 1.1, 1.3), (1, 4, 8), (0.05, 0.06, 0.1),
+                        shallow_draft_seconds=(0.02, 0.03, 0.05), draft_depth=7)
+    steps = [np.array([[0.3]])] * 7 + [np.array([[0.95] + [0.9] * 6])]
+    k, d, ratio = capacity_and_depth([depth_survivals(c) for c in steps], [1] * 8, prof, 1)
+    level = (7 * 0.3 + 0.95) / 8
+    gain = level * sum(0.9 ** j for j in range(k))
+    assert d == k and ratio == pytest.approx((1 + gain) * prof.sps(1 + k, n_requests=1, depth=k)
+                                             * prof.step_s(1, n_requests=1), rel=1e-9)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        base = int(rng.integers(1, 5))
+        pool = [rng.beta(3, 1.5, size=(base, int(rng.integers(1, 8)))) for _ in range(int(rng.integers(1, 9)))]
+        k, d, _ = capacity_and_depth([depth_survivals(c) for c in pool], [base] * len(pool), prof, base)
+        assert 1 <= d <= k <= base * d
 
 
 def test_small_pools_priced_in_python_give_the_same_floats_as_numpy(monkeypatch):

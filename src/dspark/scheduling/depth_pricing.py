@@ -3,8 +3,17 @@
 
 Pricing K alone assumes every request drafts K + 1 slots. At R = 2 that charges K = 4 five drafted slots a request,
 while two requests verifying two drafts each need two, which is fixed-2's step. Here every depth d up to the
-deepest any pooled step drafted is priced from the pooled steps that drafted at least d slots, truncated to d, and
-the best (K <= R·d, d) wins. Shapes as in ``policies.py``.
+deepest any pooled step drafted is priced, and the best (d <= K <= R·d, d) wins. Shapes as in ``policies.py``.
+
+Each depth's gains are chained from the shallower ones: gains(d) = gains(d - 1) × what slot d multiplies them by,
+the factor measured on the pooled steps that drafted at least d slots (their gains truncated to d over the same
+steps' truncated to d - 1). At one request that is the survival to slot d - 1 from every step that drafted it,
+times slot d's acceptance given slot d - 1 from the steps that drafted d. Pricing depth d from those deep steps
+alone (until session 52) compared depths on different samples: the few deep steps (probes after skipped steps,
+exploring steps) were a thin, unrepresentative sample, so at one request K = 1 was drafted 2-7 slots deep in 35 %
+of its steps, for slots it could never verify, and the drafter took 7.9 ms a drafting step against MTP-1's 5.9
+(results/async-decisions-s52). Chained, the level comes from the whole pool, and K < d, slots no request can verify
+(one takes at most K), is not priced at all.
 """
 
 from __future__ import annotations
@@ -73,15 +82,15 @@ def running_products(rows: list[list[float]]) -> list[list[float]]:
 
 def capacity_and_depth(by_depth: list[np.ndarray], rows: list[int], sps: SPS, n_requests: int,
                        tables: list[list[list[float]]] | None = None) -> tuple[int, int, float]:
-    """The best (K, depth) to draft and verify, and its Θ / Θ_0: K from 1..R·depth, depth from 1 to the deepest
-    any pooled step drafted, each depth priced from the pooled steps that drafted at least that many slots (their
-    ``depth_survivals``; ``rows`` their R_old), truncated to it, with drafting at that depth. (0, 0, 1.0) when no
-    step is pooled.
+    """The best (K, depth) to draft and verify, and its Θ / Θ_0: K from depth..R·depth, depth from 1 to the deepest
+    any pooled step drafted (their ``depth_survivals``; ``rows`` their R_old), with drafting at that depth; the
+    gains chained over depths (module docstring). (0, 0, 1.0) when no step is pooled.
 
-    Ties go to the shallower depth, then the smaller K. Each depth's expected gains are ``pooled_gains`` of the
-    steps truncated to it, summed in the same order, so a slow reference that truncates and pools per depth agrees
-    with it. ``tables``: the same steps as ``depth_lists``, when the caller kept them (the plain-Python path then
-    converts nothing)."""
+    Ties go to the shallower depth, then the smaller K. Depth 1's expected gains are ``pooled_gains`` of every
+    step truncated to 1; depth d's are depth d - 1's times the ratio of ``pooled_gains`` of the steps that drafted
+    at least d truncated to d over those of the same steps truncated to d - 1 (1 where that is 0), each summed in
+    pool order, so a slow reference that pools per depth agrees with it. ``tables``: the same steps as ``depth_lists``, when the caller kept them (the plain-Python path
+    then converts nothing)."""
     base = int(n_requests)
     if base <= 0 or not by_depth:
         return 0, 0, 1.0
@@ -105,15 +114,26 @@ def _best(by_depth, rows, weight, base: int, prices: np.ndarray) -> tuple[int, i
     """(K, depth, Θ) of the best pair; steps of other R priced by their quantile curves (see pooled_gains)."""
     deepest = len(weight)
     n = base * deepest
+    # gains[i]: the steps that drafted >= i + 1 slots, truncated to i + 1; lower[i]: the same steps truncated to i
     gains, same = np.zeros((deepest, n + 1)), np.zeros((deepest, n))
+    lower, lower_same = np.zeros((deepest, n + 1)), np.zeros((deepest, n))
     for m, r in zip(by_depth, rows):
+        d = m.shape[0]
         if r == base:
-            same[:m.shape[0], :m.shape[1]] += m
+            same[:d, :m.shape[1]] += m
+            lower_same[1:d, :m.shape[1]] += m[:d - 1]
             continue
-        for i in range(m.shape[0]):  # a step of other R: its top f·K survivals
-            gains[i] += quantile_gains(m[i, :r * (i + 1)], r, base, n)
+        for i in range(d):  # a step of other R: its top f·K survivals
+            curve = quantile_gains(m[i, :r * (i + 1)], r, base, n)
+            gains[i] += curve
+            if i + 1 < d:
+                lower[i + 1] += curve
     gains[:, 1:] += base * np.cumsum(same, axis=1)
-    theta = (base + gains / np.maximum(weight, 1)[:, None]) * prices
+    lower[:, 1:] += base * np.cumsum(lower_same, axis=1)
+    factors = np.divide(gains, lower, out=np.ones_like(gains), where=lower > 0)  # what slot d multiplies by
+    factors[0] = gains[0] / np.maximum(weight[0], 1)
+    chained = np.cumprod(factors, axis=0)  # [deepest, n + 1] expected accepted drafts at (depth, K)
+    theta = (base + chained) * prices
     theta[:, 0] = -np.inf  # K = 0 is plain decoding, priced by the caller without the drafter
     theta[[w == 0 for w in weight]] = -np.inf  # a depth no pooled step reached (steps of no rows) has no price
     depth, k = np.unravel_index(int(np.argmax(theta)), theta.shape)  # row-major: the shallower depth first
@@ -122,20 +142,32 @@ def _best(by_depth, rows, weight, base: int, prices: np.ndarray) -> tuple[int, i
 
 def _best_small(tables, weight, base: int, prices: list[list[float]]) -> tuple[int, int, float]:
     """``_best`` for pools whose steps all have R rows, in plain Python (each step's ``depth_lists``): each depth's
-    survivals summed over the steps in pool order, then the running sum, exactly as ``_best`` sums them, so the
-    floats and ties agree."""
+    survivals (and its steps' one slot shallower) summed over the steps in pool order, then the running sums and
+    the chain over depths, exactly as ``_best`` computes them, so the floats and ties agree."""
     best = (0, 1, -np.inf)
+    chained: list[float] = []  # the previous depth's expected gains at K = 1, 2, ...
     for i, w in enumerate(weight):
         if w == 0:
             continue
-        sums = [0.0] * (base * (i + 1))
+        width = base * (i + 1)
+        sums, lows = [0.0] * width, [0.0] * width
         for t in tables:
             if len(t) > i:
                 sums = [x + y for x, y in zip(sums, t[i])]  # t[i] is longer only by zero padding
-        acc, row = 0.0, prices[i]
-        for k, x in enumerate(sums, start=1):
+                if i:
+                    lows = [x + y for x, y in zip(lows, t[i - 1])]
+        flat = chained[-1] if chained else 0.0  # K past the shallower depth's R·d: its gains stay flat
+        previous = chained + [flat] * (width - len(chained))
+        acc, low, row, chained = 0.0, 0.0, prices[i], []
+        for k, (x, y) in enumerate(zip(sums, lows), start=1):
             acc += x
-            theta = (base + base * acc / w) * row[k]
+            low += y
+            if not i:
+                gain = base * acc / w
+            else:  # low is 0 only where every survival of those steps is 0, and so is acc
+                gain = previous[k - 1] * (base * acc / (base * low) if base * low > 0 else 1.0)
+            chained.append(gain)
+            theta = (base + gain) * row[k]
             if theta > best[2]:  # strictly: ties keep the shallower depth, then the smaller K (as argmax does)
                 best = (k, i + 1, theta)
     return best
@@ -155,8 +187,8 @@ def _profile_plain_sps(sps: SpeedProfile, base: int) -> float:
 
 def _joint_prices(sps: SPS, base: int, deepest: int, lists: bool = False):
     """SPS of a step of ``base`` requests verifying K = 0..base·deepest drafts with d = 1..deepest slots drafted
-    -> [deepest, base·deepest + 1]; K > base·d cannot happen at depth d and is priced -inf. With ``lists``: nested
-    lists whose rows may run past base·deepest + 1 (uncut: the caller reads only K <= base·d)."""
+    -> [deepest, base·deepest + 1]; K > base·d cannot happen at depth d, and K < d wastes slots: both -inf. With
+    ``lists``: nested lists whose rows may run past base·deepest + 1 (uncut: the caller reads only K <= base·d)."""
     if not isinstance(sps, SpeedProfile):
         table = _joint_price_table(sps, base, deepest)
         return table.tolist() if lists else table
@@ -182,5 +214,6 @@ def _joint_price_table(sps: SPS, base: int, deepest: int) -> np.ndarray:
     depth = np.repeat(np.arange(1, deepest + 1), n + 1)  # [deepest·(n + 1)], depth-major
     k = np.tile(np.arange(n + 1), deepest)
     prices = sps_values(sps, base + k, base, depth).reshape(deepest, n + 1)
-    prices[(k > base * depth).reshape(deepest, n + 1)] = -np.inf
+    # K > R·d drafts cannot hold; K < d drafts slots no request can verify (one takes at most K): both unpriced
+    prices[((k > base * depth) | (k < depth)).reshape(deepest, n + 1)] = -np.inf
     return prices
