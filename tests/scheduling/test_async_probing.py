@@ -150,3 +150,31 @@ def test_probing_options_are_validated_and_reachable_by_name():
                 {"far_probe_every": 32}, {"watch_load": 2}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             AsyncPolicy(_priced_for(1), **bad)
+
+
+def test_a_probe_at_low_load_drafts_one_slot_past_the_depth_last_priced():
+    """One request whose drafts turn weak: once the drafter is skipped, each probe drafts the depth the pool
+    last priced plus one (what Algorithm 1 can use there), not the whole block; with shallow_probes=0 the whole
+    block. Before any pool exists the first steps still draft it all."""
+    from dspark.scheduling.profile import SpeedProfile
+
+    prof = SpeedProfile((1, 4, 8), (1.0, 1.1, 1.3), (1, 4), (0.05, 0.08), shallow_draft_seconds=(0.02, 0.03),
+                        draft_depth=7)
+
+    def probe_depths(**kw):
+        pol, seen = AsyncPolicy(prof, explore_every=1000, **kw), []
+        for step in range(80):
+            drafts = pol.prepare(1)
+            depth = pol.draft_depth(7) if drafts else 0
+            seen.append((pol.last_capacity, depth, pol._depth))
+            c = np.full((1, depth), 0.9 if step < 20 else 0.02)
+            pol.select(c if drafts else None, n_requests=1)
+        return seen
+
+    shallow, whole = probe_depths(), probe_depths(shallow_probes=0)
+    assert shallow[0][:2] == whole[0][:2] == (None, 7)  # no pool yet: Algorithm 1 over the whole block
+    probes = [(depth, priced) for k, depth, priced in shallow[20:] if k is None]
+    assert len(probes) >= 3 and all(depth == priced + 1 < 7 for depth, priced in probes)
+    assert all(depth == 7 for k, depth, _ in whole[20:] if k is None)
+    with pytest.raises(ValueError, match="shallow_probes"):
+        AsyncPolicy(prof, shallow_probes=2)

@@ -44,8 +44,10 @@ class AsyncPolicy:
     - ``spread_depth`` (on): the drafted depth is capped by how K was shared in the pooled steps.
     - ``joint_requests`` (4; 2 before session 46), ``explore_every`` (8): at low load K and the drafted depth are
       priced together (``depth_pricing.capacity_and_depth``); every 8th drafting step drafts one slot more, so
-      deeper depths keep a price. Above it K is priced at depth K + 1, which at C = 4 and T = 0 on the Intel
-      Xeon charged drafting so much that the policy skipped 77 % of the steps while fixed-2 gained 8 %.
+      deeper depths keep a price; ``shallow_probes`` (on): a probe there drafts one slot past the depth last
+      priced, not the whole block (at C = 1 on the AVX2 EPYC a probe drafted 7 slots for Algorithm 1 to verify
+      1.3). Above it K is priced at depth K + 1, which at C = 4 and T = 0 on the Intel Xeon charged drafting so
+      much that the policy skipped 77 % of the steps while fixed-2 gained 8 %.
     - ``price_context`` (on): steps are priced at the running requests' mean context.
     - ``shrink`` (1: off), ``long_steps`` (256): at R <= ``joint_requests`` each pooled step's survivals are moved
       toward their mean over the last ``long_steps`` drafted steps, mean + shrink · (pool - mean)
@@ -78,7 +80,8 @@ class AsyncPolicy:
                  confirm: bool = True, far_loss: float = 0.1, far_probe_every: int | None = None,
                  price_context: bool = True, spread_depth: bool = True, joint_requests: int = 4,
                  explore_every: int = 8, watch_load: bool = True, live_overhead: bool = True,
-                 shrink: float = 1.0, long_steps: int = 256, low_stay_gain: float | None = -0.03):
+                 shrink: float = 1.0, long_steps: int = 256, low_stay_gain: float | None = -0.03,
+                 shallow_probes: bool = True):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -137,6 +140,9 @@ class AsyncPolicy:
         if spread_depth not in (0, 1):
             raise ValueError(f"spread_depth must be a bool (0 or 1), got {spread_depth!r}")
         self.spread_depth = bool(spread_depth)
+        if shallow_probes not in (0, 1):
+            raise ValueError(f"shallow_probes must be a bool (0 or 1), got {shallow_probes!r}")
+        self.shallow_probes = bool(shallow_probes)
         if joint_requests < 0:
             raise ValueError(f"joint_requests must be >= 0 (0: never), got {joint_requests}")
         if explore_every < 1:
@@ -301,8 +307,8 @@ class AsyncPolicy:
         """Slots worth drafting this step (after ``prepare``): K caps how deep any request can verify, and with
         ``spread_depth`` so does the longest prefix one request took in the pooled steps; at R <= ``joint_requests``
         the depth priced with K (one more on an exploring step)."""
-        if self.last_capacity is None:
-            return gamma
+        if self.last_capacity is None:  # Algorithm 1: a probe with a joint price drafts one slot past its depth
+            return min(gamma, self._depth + 1) if self._probing and self._depth and self.shallow_probes else gamma
         if self._depth:  # joint_requests: the priced depth, one slot more on exploring steps
             return min(gamma, self._depth + self._explore)
         cap = self.last_capacity if self._grow else self.last_capacity - 1
