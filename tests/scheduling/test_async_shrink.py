@@ -70,7 +70,7 @@ def test_a_burst_of_confident_steps_moves_k_less_when_shrunk():
     zero.prepare(1)  # the next step: its pool, each step of it replaced by the long-run mean, prices its K
     _, pool = zero._old_confidences()
     means = [zero._long.shrunk(d, 0.0) for _, _, d in pool]
-    assert zero.last_capacity == capacity_and_depth(means, [1] * len(means), PRICED, 1)[0]
+    assert zero.last_capacity == capacity_and_depth(means, [1] * len(means), PRICED, 1, margin=zero.k_margin)[0]
 
 
 def test_shrink_reads_only_steps_lag_old():

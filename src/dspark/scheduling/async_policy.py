@@ -46,7 +46,9 @@ class AsyncPolicy:
       priced together (``depth_pricing.capacity_and_depth``); every 8th drafting step drafts one slot more, so
       deeper depths keep a price; ``shallow_probes`` (on): a probe there drafts one slot past the depth last
       priced, not the whole block (at C = 1 on the AVX2 EPYC a probe drafted 7 slots for Algorithm 1 to verify
-      1.3). Above it K is priced at depth K + 1, which at C = 4 and T = 0 on the Intel Xeon charged drafting so
+      1.3); ``k_margin`` (2 %): there the smallest K priced within 2 % of the best K wins (the best of noisy
+      estimates is biased up: at C = 1 on the AVX2 EPYC, K = 2 and 3 paid less than K = 1 where they were
+      chosen). Above it K is priced at depth K + 1, which at C = 4 and T = 0 on the Intel Xeon charged drafting so
       much that the policy skipped 77 % of the steps while fixed-2 gained 8 %.
     - ``price_context`` (on): steps are priced at the running requests' mean context.
     - ``shrink`` (1: off), ``long_steps`` (256): at R <= ``joint_requests`` each pooled step's survivals are moved
@@ -81,7 +83,7 @@ class AsyncPolicy:
                  price_context: bool = True, spread_depth: bool = True, joint_requests: int = 4,
                  explore_every: int = 8, watch_load: bool = True, live_overhead: bool = True,
                  shrink: float = 1.0, long_steps: int = 256, low_stay_gain: float | None = -0.03,
-                 shallow_probes: bool = True):
+                 shallow_probes: bool = True, k_margin: float = 0.02):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -143,6 +145,9 @@ class AsyncPolicy:
         if shallow_probes not in (0, 1):
             raise ValueError(f"shallow_probes must be a bool (0 or 1), got {shallow_probes!r}")
         self.shallow_probes = bool(shallow_probes)
+        if not 0.0 <= k_margin < 1.0:
+            raise ValueError(f"k_margin must lie in [0, 1), got {k_margin}")
+        self.k_margin = float(k_margin)
         if joint_requests < 0:
             raise ValueError(f"joint_requests must be >= 0 (0: never), got {joint_requests}")
         if explore_every < 1:
@@ -274,7 +279,7 @@ class AsyncPolicy:
             listed = steps and adjust is None and self._long is None and all(s in self._lists for s in steps)
             tables = [self._lists[s] for s in steps] if listed else None  # as select listed them
             best, depth, ratio = capacity_and_depth(by_depth, [c.shape[0] for c, _, _ in c_old], self.sps, n_requests,
-                                                    tables)
+                                                    tables, self.k_margin)
             return best, ratio, True, None, depth
         shapes = [c.shape for c, _, _ in c_old]
         survivals = [step_survivals(adjust(c)) if adjust else a for c, a, _ in c_old]

@@ -81,16 +81,18 @@ def running_products(rows: list[list[float]]) -> list[list[float]]:
 
 
 def capacity_and_depth(by_depth: list[np.ndarray], rows: list[int], sps: SPS, n_requests: int,
-                       tables: list[list[list[float]]] | None = None) -> tuple[int, int, float]:
+                       tables: list[list[list[float]]] | None = None, margin: float = 0.0) -> tuple[int, int, float]:
     """The best (K, depth) to draft and verify, and its Θ / Θ_0: K from depth..R·depth, depth from 1 to the deepest
     any pooled step drafted (their ``depth_survivals``; ``rows`` their R_old), with drafting at that depth; the
     gains chained over depths (module docstring). (0, 0, 1.0) when no step is pooled.
 
-    Ties go to the shallower depth, then the smaller K. Depth 1's expected gains are ``pooled_gains`` of every
-    step truncated to 1; depth d's are depth d - 1's times the ratio of ``pooled_gains`` of the steps that drafted
-    at least d truncated to d over those of the same steps truncated to d - 1 (1 where that is 0), each summed in
-    pool order, so a slow reference that pools per depth agrees with it. ``tables``: the same steps as ``depth_lists``, when the caller kept them (the plain-Python path
-    then converts nothing)."""
+    The smallest K whose best Θ is within ``margin`` of the best pair's (Θ >= best · (1 - margin)) wins, at its
+    best depth (ties: the shallower): a larger K priced within the pricing error is the argmax of noisy
+    estimates, not a gain. Depth 1's expected gains are ``pooled_gains`` of every step truncated to 1; depth d's
+    are depth d - 1's times the ratio of ``pooled_gains`` of the steps that drafted at least d truncated to d over
+    those of the same steps truncated to d - 1 (1 where that is 0), each summed in pool order, so a slow reference
+    that pools per depth agrees with it. ``tables``: the same steps as ``depth_lists``, when the caller kept them
+    (the plain-Python path then converts nothing)."""
     base = int(n_requests)
     if base <= 0 or not by_depth:
         return 0, 0, 1.0
@@ -101,17 +103,17 @@ def capacity_and_depth(by_depth: list[np.ndarray], rows: list[int], sps: SPS, n_
             weight[i] += r
     if base * deepest <= SMALL and all(r == base for r in rows):
         k, depth, best = _best_small(tables if tables is not None else [m.tolist() for m in by_depth], weight, base,
-                                     _joint_prices(sps, base, deepest, lists=True))
+                                     _joint_prices(sps, base, deepest, lists=True), margin)
     else:
-        k, depth, best = _best(by_depth, rows, weight, base, _joint_prices(sps, base, deepest))
+        k, depth, best = _best(by_depth, rows, weight, base, _joint_prices(sps, base, deepest), margin)
     plain = base * float(_plain_sps(sps, base))
     if plain <= 0:
         return k, depth, (float("inf") if best > 0 else 1.0)
     return k, depth, best / plain
 
 
-def _best(by_depth, rows, weight, base: int, prices: np.ndarray) -> tuple[int, int, float]:
-    """(K, depth, Θ) of the best pair; steps of other R priced by their quantile curves (see pooled_gains)."""
+def _best(by_depth, rows, weight, base: int, prices: np.ndarray, margin: float) -> tuple[int, int, float]:
+    """(K, depth, Θ) of the chosen pair; steps of other R priced by their quantile curves (see pooled_gains)."""
     deepest = len(weight)
     n = base * deepest
     # gains[i]: the steps that drafted >= i + 1 slots, truncated to i + 1; lower[i]: the same steps truncated to i
@@ -136,15 +138,16 @@ def _best(by_depth, rows, weight, base: int, prices: np.ndarray) -> tuple[int, i
     theta = (base + chained) * prices
     theta[:, 0] = -np.inf  # K = 0 is plain decoding, priced by the caller without the drafter
     theta[[w == 0 for w in weight]] = -np.inf  # a depth no pooled step reached (steps of no rows) has no price
-    depth, k = np.unravel_index(int(np.argmax(theta)), theta.shape)  # row-major: the shallower depth first
-    return int(k), int(depth) + 1, float(theta[depth, k])
+    per_k, depth_of = theta.max(axis=0), theta.argmax(axis=0)  # each K's best Θ and depth (ties: the shallower)
+    k = int(np.flatnonzero(per_k >= per_k.max() * (1.0 - margin))[0])
+    return k, int(depth_of[k]) + 1, float(per_k[k])
 
 
-def _best_small(tables, weight, base: int, prices: list[list[float]]) -> tuple[int, int, float]:
+def _best_small(tables, weight, base: int, prices: list[list[float]], margin: float) -> tuple[int, int, float]:
     """``_best`` for pools whose steps all have R rows, in plain Python (each step's ``depth_lists``): each depth's
     survivals (and its steps' one slot shallower) summed over the steps in pool order, then the running sums and
     the chain over depths, exactly as ``_best`` computes them, so the floats and ties agree."""
-    best = (0, 1, -np.inf)
+    per_k: dict[int, tuple[float, int]] = {}  # K -> its best (Θ, depth)
     chained: list[float] = []  # the previous depth's expected gains at K = 1, 2, ...
     for i, w in enumerate(weight):
         if w == 0:
@@ -168,9 +171,11 @@ def _best_small(tables, weight, base: int, prices: list[list[float]]) -> tuple[i
                 gain = previous[k - 1] * (base * acc / (base * low) if base * low > 0 else 1.0)
             chained.append(gain)
             theta = (base + gain) * row[k]
-            if theta > best[2]:  # strictly: ties keep the shallower depth, then the smaller K (as argmax does)
-                best = (k, i + 1, theta)
-    return best
+            if k not in per_k or theta > per_k[k][0]:  # strictly: ties keep the shallower depth (as argmax does)
+                per_k[k] = (theta, i + 1)
+    top = max(theta for theta, _ in per_k.values())
+    k = min(k for k, (theta, _) in per_k.items() if theta >= top * (1.0 - margin))
+    return k, per_k[k][1], per_k[k][0]
 
 
 def _plain_sps(sps: SPS, base: int) -> float:
