@@ -58,8 +58,7 @@ def test_confirm_that_turns_weak_keeps_the_drafter_off():
 
     lucky_once = lambda step, probing: 0.45 if step == 4 else 0.05  # noqa: E731
     plain, confirmed = _serve(policy(confirm=0), 4, 14, lucky_once), _serve(policy(confirm=1), 4, 14, lucky_once)
-    # two steps draft all four on the lucky rows (K = 11: the twelfth slot is priced within k_margin of it)
-    assert plain[6:8] == [(11, 4), (11, 4)]
+    assert plain[6:8] == [(12, 4), (12, 4)]  # two steps draft all four on the lucky rows
     assert confirmed[6] == (None, 2) and all(n <= 2 for _, n in confirmed[2:])  # no step drafts all four
 
 
@@ -184,7 +183,8 @@ def test_a_probe_at_low_load_drafts_one_slot_past_the_depth_last_priced():
 def test_k_margin_is_validated_and_reachable_by_name():
     """(What it decides is tested with capacity_and_depth's brute-force reference in test_sched_policies.py.)"""
     assert make_policy("async:k_margin=0", sps=_priced_for(1)).k_margin == 0.0
-    assert AsyncPolicy(_priced_for(1)).k_margin == 0.02
+    assert AsyncPolicy(_priced_for(1)).k_margin == 0.0 and make_policy("async:k_margin=0.02",
+                                                                       sps=_priced_for(1)).k_margin == 0.02
     for bad in (-0.01, 1.0):
         with pytest.raises(ValueError, match="k_margin"):
             AsyncPolicy(_priced_for(1), k_margin=bad)
