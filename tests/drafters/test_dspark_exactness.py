@@ -304,7 +304,10 @@ RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0
 # drafts part of the batch, and the far back-off's load must then halve; at T = 1 requests live three steps.
 RUNNING = {"greedy": {"confirmed thin pool": 3, "far back-off": 2, "probes soon once the load halves": 2,
                       "depth capped by the spread of K": 3, "depth priced with K": 3},
-           "seeded": {"confirmed thin pool": 3},
+           # one request at a time: with the seeded draws of two (seeds 7, 8) neither rule changed a decision once
+           # depths were priced on one sample (session 52); at one request both do
+           "seeded": {"confirmed thin pool": 3, "kept drafting at a priced loss (low load)": 1,
+                      "pools shrunk toward the long-run mean": 1},
            "t1": {"confirmed thin pool": 3, "far back-off": 3, "probes soon once the load halves": 3}}
 
 
