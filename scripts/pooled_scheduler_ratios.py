@@ -13,19 +13,14 @@ import json
 
 import numpy as np
 
+from dspark.bench.serving import paired_ratios
+
 
 def paired(path: str, name: str) -> dict[int, list[tuple[float, float]]]:
-    """concurrency -> [(scheduler / fastest fixed policy, scheduler / none)] for each repeat of one run."""
-    data = json.load(open(path))
-    fixed = [p for p in data["config"]["policies"] if not p.startswith("async") and not p.startswith("sync")
-             and p != "static"]
-    out: dict[int, list[tuple[float, float]]] = {}
-    for c in data["config"]["concurrency"]:
-        for rep in range(data["config"]["repeats"]):
-            cell = {r["policy"]: r["throughput_tok_s"] for r in data["runs"]
-                    if r["concurrency"] == c and r["repeat"] == rep}
-            out.setdefault(c, []).append((cell[name] / max(cell[p] for p in fixed), cell[name] / cell["none"]))
-    return out
+    """concurrency -> [(scheduler / fastest fixed policy, scheduler / none)] for each repeat of one run, as
+    `bench serve` pairs them (``paired_ratios``)."""
+    rows = paired_ratios(json.load(open(path))["runs"], name)
+    return {r["concurrency"]: list(zip(r["vs_best_fixed"], r["vs_none"])) for r in rows}
 
 
 def main() -> None:

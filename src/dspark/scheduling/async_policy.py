@@ -46,11 +46,11 @@ class AsyncPolicy:
       priced together (``depth_pricing.capacity_and_depth``); every 8th drafting step drafts one slot more, so
       deeper depths keep a price; ``shallow_probes`` (on): a probe there drafts one slot past the depth last
       priced, not the whole block (at C = 1 on the AVX2 EPYC a probe drafted 7 slots for Algorithm 1 to verify
-      1.3); ``k_margin`` (0: off): there the smallest K priced within that share of the best K's Θ wins (the
-      best of noisy estimates is biased up; 2 % measured within the noise of 0 at C = 1 / 2 on the AVX2 EPYC:
-      results/serving-s52-amd-avx2-k-margin-t1). Above it K is priced at depth K + 1, which at C = 4 and T = 0
-      on the Intel Xeon charged drafting so much that the policy skipped 77 % of the steps while fixed-2 gained
-      8 %.
+      1.2-1.4: results/async-decisions-s51/c1-t1.txt, -s52/c1-t1-before.txt); ``k_margin`` (0: off): there the
+      smallest K priced within that share of the best K's Θ wins (the best of noisy estimates is biased up; 2 %
+      measured within the noise of 0 at C = 1 / 2 on the AVX2 EPYC: results/serving-s52-amd-avx2-k-margin-t1).
+      Above it K is priced at depth K + 1, which at C = 4 and T = 0 on the Intel Xeon charged drafting so much
+      that the policy skipped 77 % of the steps while fixed-2 gained 8 %.
     - ``price_context`` (on): steps are priced at the running requests' mean context.
     - ``shrink`` (1: off), ``long_steps`` (256): at R <= ``joint_requests`` each pooled step's survivals are moved
       toward their mean over the last ``long_steps`` drafted steps, mean + shrink · (pool - mean)

@@ -10,9 +10,9 @@ the factor measured on the pooled steps that drafted at least d slots (their gai
 steps' truncated to d - 1). At one request that is the survival to slot d - 1 from every step that drafted it,
 times slot d's acceptance given slot d - 1 from the steps that drafted d. Pricing depth d from those deep steps
 alone (until session 52) compared depths on different samples: the few deep steps (probes after skipped steps,
-exploring steps) were a thin, unrepresentative sample, so at one request K = 1 was drafted 2-7 slots deep in 35 %
-of its steps, for slots it could never verify, and the drafter took 7.9 ms a drafting step against MTP-1's 5.9
-(results/async-decisions-s52). Chained, the level comes from the whole pool, and K < d, slots no request can verify
+exploring steps) were a thin, unrepresentative sample, so at one request K = 1 was drafted 2-7 slots deep in a
+third of its steps, for slots it could never verify, and the drafter took 7.9 ms a drafting step against MTP-1's
+5.9 (results/async-decisions-s52). Chained, the level comes from the whole pool, and K < d, slots no request can verify
 (one takes at most K), is not priced at all.
 """
 
