@@ -299,7 +299,10 @@ RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0
          "depth capped by the spread of K": dict(spread_depth=1, min_gain=0.0, max_age=4),
          "depth priced with K": dict(joint_requests=3, explore_every=2, min_gain=0.0, max_age=4),
          "pools shrunk toward the long-run mean": dict(shrink=0.0, long_steps=64, min_gain=0.0, max_age=4),
-         "kept drafting at a priced loss (low load)": dict(low_stay_gain=-0.9, min_gain=0.0, max_age=4)}
+         "kept drafting at a priced loss (low load)": dict(low_stay_gain=-0.9, min_gain=0.0, max_age=4),
+         # min_gain 0.5: only probes draft, each one slot past the depth its pool priced
+         "shallow probe": dict(min_gain=0.5, max_age=4),
+         "smaller K within k_margin": dict(k_margin=0.2, min_gain=0.0, max_age=4)}
 # Requests each test runs at once where a rule needs load: these rules fire only while a probe (of one request)
 # drafts part of the batch, and the far back-off's load must then halve; at T = 1 requests live three steps.
 RUNNING = {"greedy": {"confirmed thin pool": 3, "far back-off": 2, "probes soon once the load halves": 2,
@@ -307,7 +310,7 @@ RUNNING = {"greedy": {"confirmed thin pool": 3, "far back-off": 2, "probes soon 
            # one request at a time: with the seeded draws of two (seeds 7, 8) neither rule changed a decision once
            # depths were priced on one sample (session 52); at one request both do
            "seeded": {"confirmed thin pool": 3, "kept drafting at a priced loss (low load)": 1,
-                      "pools shrunk toward the long-run mean": 1},
+                      "pools shrunk toward the long-run mean": 1, "shallow probe": 1},
            "t1": {"confirmed thin pool": 3, "far back-off": 3, "probes soon once the load halves": 3}}
 
 
@@ -356,7 +359,8 @@ PRICED_BY = {"early stop below K": (_verify_priced_profile, False), "no extra sl
              "priced at the context": (_context_priced_profile, False),
              "depth capped by the spread of K": (_verify_priced_profile, False),
              "pools shrunk toward the long-run mean": (_depth_priced_profile, False),
-             "kept drafting at a priced loss (low load)": (_verify_priced_profile, False)}
+             "kept drafting at a priced loss (low load)": (_verify_priced_profile, False),
+             "shallow probe": (_verify_priced_profile, False)}
 
 
 # rules that fire where every request's drafts look alike (K shared evenly), as a random head's do
@@ -399,6 +403,11 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
                 seen.add("kept drafting below the entry margin")
             if policy._memo[2] < 1.0 and n_requests <= policy.joint_requests:
                 seen.add("kept drafting at a priced loss (low load)")  # low_stay_gain
+        if policy._probing and policy.draft_depth(drafter.gamma) < drafter.gamma:
+            seen.add("shallow probe")
+        if policy.k_margin and policy.last_capacity and policy._depth:
+            if _unshrunk_capacity(policy, n_requests) != policy._memo[1]:
+                seen.add("smaller K within k_margin")  # the margin chose a smaller K than the best
         if policy._probing:
             probes[0] += 1
             if probes[0] >= 2 and policy._interval == policy.reprobe_every:  # backing off would have doubled it
