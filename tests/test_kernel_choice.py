@@ -75,15 +75,43 @@ def bf16_model(monkeypatch, tmp_path):
     return build_transformer(config, state, torch.bfloat16, fast_kernels=True)
 
 
-@pytest.mark.skipif(native.kernel_bf16() is None, reason="no bf16 C kernel on this CPU (it needs AVX512-BF16)")
+@pytest.mark.skipif(native.kernel_bf16() is None, reason="no bf16 C kernel on this CPU (it needs AVX512-BF16 or AVX2)")
 def test_a_bf16_model_measures_our_bf16_kernel_beside_onednn(monkeypatch, tmp_path):
     model = bf16_model(monkeypatch, tmp_path)
-    if not kernel_choice.is_tunable(model):
-        pytest.skip("this torch build has no packed oneDNN product")
+    if not kernel_choice.has_packed(model):
+        pytest.skip("this torch build packs no bf16 weights here (oneDNN needs bf16 instructions)")
     assert kernel_choice.has_native(model)
     chosen, table = kernel_choice.measure(model, rows=(1, 2, 4), rounds=1)
     assert chosen.native_rows is not None and set(table) == {1, 2, 4}
     assert set(table[1]) == {"native", "onednn", "padded"} and set(table[4]) == {"native", "onednn"}
+
+
+def test_without_a_packed_product_the_limit_is_the_last_count_ours_wins_and_may_be_every_count():
+    torch_slower = {n: {"native": 1.0, "torch": 1.0 + n} for n in kernel_choice.UNPACKED_ROWS}
+    torch_slower[1]["torch"] = 0.9  # a near-tie lost at one row does not hand every count to torch
+    assert kernel_choice.routes_from(torch_slower, with_native=True) == Routes(kernel_choice.EVERY_ROW)
+    short = {n: t for n, t in torch_slower.items() if n <= 16}  # not measured up to a prefill's rows: no extrapolation
+    assert kernel_choice.routes_from(short, with_native=True) == Routes(16)
+    torch_slower[256]["torch"] = 0.5
+    assert kernel_choice.routes_from(torch_slower, with_native=True) == Routes(128)
+
+
+@pytest.mark.skipif(native.kernel_bf16() is None, reason="no bf16 C kernel on this CPU (it needs AVX512-BF16 or AVX2)")
+def test_a_bf16_model_with_nothing_packed_weighs_our_kernel_against_torch(monkeypatch, tmp_path):
+    """A CPU whose torch packs no bf16 weights (AVX2 only): the C kernel against F.linear, prefill sizes included."""
+    model = bf16_model(monkeypatch, tmp_path)
+    for p in kernel_choice.projections(model):
+        p.packed = None
+    assert kernel_choice.is_tunable(model) and not kernel_choice.has_packed(model)
+    monkeypatch.setattr(kernel_choice, "UNPACKED_ROWS", (1, 2, 64))
+    chosen, table = kernel_choice.measure(model, rounds=1)
+    assert set(table) == {1, 2, 64} and all(set(t) == {"native", "torch"} for t in table.values())
+    assert chosen.native_rows is not None and not chosen.pad_to
+    kernel_choice.apply(model, Routes(kernel_choice.EVERY_ROW))
+    calls = []  # a prefill's rows take our kernel too
+    monkeypatch.setattr(native, "linear", lambda *a: calls.append(a[0].shape[0]) or torch.nn.functional.linear(*a))
+    model.layers[0].down(torch.randn(300, model.layers[0].down.weight.shape[1]).bfloat16())
+    assert calls == [300]
 
 
 def test_a_bf16_model_without_our_kernel_measures_only_the_padding(monkeypatch, tmp_path):

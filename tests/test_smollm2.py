@@ -166,3 +166,8 @@ def test_bf16_engine_greedy_equals_plain_up_to_one_ulp_ties(smollm2_bf16, bench_
         assert 0 <= plain_gap <= ulp and -1e-4 <= engine_gap <= ulp + 1e-4
     print(f"{identical}/{len(prompts)} identical")
     assert identical >= len(prompts) // 4
+    from dspark.models import kernel_choice
+    if all(p.native and p.native_rows == kernel_choice.EVERY_ROW for p in kernel_choice.projections(model)):
+        # our bf16 kernel serves every row count (a CPU whose torch packs no bf16 weights, e.g. AVX2 only), and a
+        # row's result does not depend on the rows beside it: no tie can flip, every output is plain decoding's
+        assert identical == len(prompts)

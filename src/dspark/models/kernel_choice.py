@@ -2,8 +2,9 @@
 
 Two choices, both measured because they depend on the CPU and even on the VM's phase:
 
-* Up to how many rows our C kernel (models/native.py; fp32, and bf16 where the CPU has bf16 dot products) serves
-  a projection before oneDNN's packed product does. On the 2-core dev machine the C kernel beat oneDNN at every
+* Up to how many rows our C kernel (models/native.py; fp32, and bf16 on AVX512-BF16 or AVX2) serves a
+  projection before oneDNN's packed product does — or, where torch packs no weights of the model's dtype (bf16 on
+  an AVX2-only CPU), before torch's plain product does, prefill sizes included. On the 2-core dev machine the C kernel beat oneDNN at every
   row count up to 16 in one phase (`python -m dspark.bench.kernels --rows 1,2,3,4,6,8,12,16`,
   results/kernels-s20), while in a faster phase its one-row-at-a-time predecessor lost from 4 rows
   (results/runtime-s16). A fixed limit fits one of them; a verify step of 3-8 tokens then pays the slower kernel
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from . import native
 from .layers import Projection, bucket_rows
@@ -60,10 +62,15 @@ def projections(model) -> list[Projection]:
     return [p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
 
 
+def has_packed(model) -> bool:
+    return all(p.packed is not None for p in projections(model))
+
+
 def is_tunable(model) -> bool:
     """oneDNN's packed product must serve every projection for there to be a choice (of padding; of the C kernel's
-    limit where it serves them too)."""
-    return all(p.packed is not None for p in projections(model))
+    limit where it serves them too), or the C kernel must, against torch's plain product (a bf16 model where
+    oneDNN packs no bf16 weights: an AVX2-only CPU)."""
+    return has_packed(model) or has_native(model)
 
 
 def has_native(model) -> bool:
@@ -85,7 +92,14 @@ def cache_path(model) -> Path:
 
 ROUTES = {"native": lambda p, x: native.linear(x, p.weight, p.bias),  # what each route runs, as the engine would
           "onednn": lambda p, x: p.packed_linear(x, size=bucket_rows(x.shape[0])),
-          "padded": lambda p, x: p.packed_linear(x, size=PAD_TO)}
+          "padded": lambda p, x: p.packed_linear(x, size=PAD_TO),
+          "torch": lambda p, x: F.linear(x, p.weight, p.bias)}  # only where nothing is packed
+# Without a packed product the C kernel is weighed against torch's plain one, which for bf16 on a CPU without bf16
+# instructions is slower at every size (SmolLM2's 3,072 x 576 up-projection on the AVX2 EPYC, 256 rows: 23 ms
+# against our 4.3), so a prefill's rows are measured too, and a kernel never slower up to the last of them serves
+# every row count.
+UNPACKED_ROWS = CANDIDATE_ROWS + (32, 64, 128, 256)
+EVERY_ROW = 2**31 - 1  # native_rows where the C kernel serves every row count
 
 
 def measure(model, rows: tuple[int, ...] | None = None, rounds: int = ROUNDS) -> tuple[Routes, dict]:
@@ -93,12 +107,14 @@ def measure(model, rows: tuple[int, ...] | None = None, rounds: int = ROUNDS) ->
     `rounds` interleaved rounds (at least PAD_ROUNDS below PAD_TO) after one warm-up. Without the C kernel only the
     rows below PAD_TO are measured."""
     projs = projections(model)
-    with_native = has_native(model)
+    with_native, packed = has_native(model), has_packed(model)
     if rows is None:
-        rows = CANDIDATE_ROWS if with_native else tuple(n for n in CANDIDATE_ROWS if n < PAD_TO)
+        rows = (CANDIDATE_ROWS if packed else UNPACKED_ROWS) if with_native else \
+            tuple(n for n in CANDIDATE_ROWS if n < PAD_TO)
+    others = ("onednn", "padded") if packed else ("torch",)
     table: dict[int, dict[str, float]] = {}
     for n in rows:
-        names = [r for r in ROUTES if (r != "native" or with_native) and (r != "padded" or n < PAD_TO)]
+        names = [r for r in ROUTES if (r == "native" and with_native or r in others) and (r != "padded" or n < PAD_TO)]
         xs = [torch.randn(n, p.weight.shape[1], dtype=p.weight.dtype) for p in projs]
         times: dict[str, list[float]] = {name: [] for name in names}
         for i in range((rounds if n >= PAD_TO else max(rounds, PAD_ROUNDS)) + 1):
@@ -113,10 +129,16 @@ def measure(model, rows: tuple[int, ...] | None = None, rounds: int = ROUNDS) ->
 
 
 def routes_from(table: dict[int, dict[str, float]], with_native: bool) -> Routes:
-    """Pad where padded is faster; the C kernel's limit against oneDNN's better route at each row count."""
+    """Pad where padded is faster; the C kernel's limit against oneDNN's better route at each row count. Without a
+    packed product the other route is torch's, which loses ground as rows grow, so the limit is the largest count
+    where ours is not slower (a near-tie lost at one row must not hand a prefill to torch), and where that is the
+    last count measured, ours serves every count."""
     pad_to = {n: PAD_TO for n, t in table.items() if "padded" in t and t["padded"] < t["onednn"]}
     limit = None
-    if with_native:
+    if with_native and table and all("torch" in t for t in table.values()):
+        limit = max((n for n, t in table.items() if t["native"] <= t["torch"]), default=0)
+        limit = EVERY_ROW if limit == max(table) >= UNPACKED_ROWS[-1] else limit
+    elif with_native:
         limit = crossover({n: [t["native"], min(t["onednn"], t.get("padded", t["onednn"]))]
                            for n, t in table.items()})
     return Routes(limit, pad_to)

@@ -7,8 +7,9 @@ product reads them at ~20-23 GB/s for one row, this kernel at ~30 GB/s — the m
 rows the crossover with oneDNN's blocking moves with the machine, so models/kernel_choice.py measures it.
 
 `kernel_bf16()` is the same kernel over bf16 weights and activations (fp32 sums through AVX512-BF16's dot
-products, each output rounded once to bf16), for a bf16 target: its one-token forward got 1.13x faster
-(results/native-cost-s39).
+products, or on AVX2 through fp32 multiply-adds of the widened values; each output rounded once to bf16), for a
+bf16 target: its one-token forward got 1.13x faster (results/native-cost-s39); on an AVX2-only CPU, where torch
+packs no bf16 weights, it made a bf16 target faster than fp32 (results/bf16-avx2-s53).
 
 The kernel is built once per source, flags and CPU into the dspark cache with the system C compiler (`$CC`, else
 `cc`). With no compiler, a failed build, a failed self-check, or `DSPARK_NATIVE=0`, `kernel()` is None and callers
@@ -165,8 +166,8 @@ def kernel(cache_dir: str | None = None):
 
 @functools.cache
 def kernel_bf16(cache_dir: str | None = None):
-    """The bf16 entry of the same library (bf16 x, W, bias and y; fp32 sums through the CPU's bf16 dot products),
-    or None where the CPU has none (it needs AVX512-BF16) or the fp32 kernel is unusable. Cached per process."""
+    """The bf16 entry of the same library (bf16 x, W, bias and y; fp32 sums of the exact products), or None where
+    the CPU has neither AVX512-BF16 nor AVX2 or the fp32 kernel is unusable. Cached per process."""
     lib = load_library(SOURCE, cache_dir, extra_flags=CFLAGS) if kernel(cache_dir) is not None else None
     if lib is None or not lib.dspark_linear_bf16_supported():
         return None
