@@ -188,3 +188,26 @@ def test_k_margin_is_validated_and_reachable_by_name():
     for bad in (-0.01, 1.0):
         with pytest.raises(ValueError, match="k_margin"):
             AsyncPolicy(_priced_for(1), k_margin=bad)
+
+
+def test_a_dip_of_one_request_keeps_the_probes_backed_off_with_hold_backoff():
+    """Two requests, where drafting loses, with a dip to one request every 20
+    steps (one left, the next not yet in), where one draft is free and K = 1 pays; each token past two costs 0.4. Without hold_backoff each dip's
+    drafting step resets the probes' interval, so they start again from two skipped steps every 20; with it they
+    stay backed off. A dip that lasts DIP_STEPS drafting steps is a load drop, and resets them as before."""
+    from dspark.scheduling.async_policy import DIP_STEPS
+
+    free_second_token = lambda b: 1 / (1 + 0.4 * np.maximum(np.asarray(b) - 2, 0))  # noqa: E731
+
+    def probes(loads, **kw):
+        pol = AsyncPolicy(free_second_token, min_gain=0.1, pool_requests=1, probe_every=2, max_probe_every=32, **kw)
+        return [s for s in _probe_steps(pol, loads, 0.3) if loads[s] == 2]
+
+    dips = ([2] * 19 + [1]) * 10
+    held, reset = probes(dips), probes(dips, hold_backoff=0)
+    assert len(reset) >= 2 * len(held) and len(held) <= 8, (held, reset)
+    drop = [2] * 60 + [1] * DIP_STEPS + [2] * 20  # a lasting drop: the interval resets, probes come soon again
+    assert min(s for s in probes(drop) if s > 60) == min(s for s in probes(drop, hold_backoff=0) if s > 60)
+    assert make_policy("async:hold_backoff=0", sps=free_second_token).hold_backoff is False
+    with pytest.raises(ValueError, match="hold_backoff"):
+        AsyncPolicy(free_second_token, hold_backoff=2)

@@ -95,10 +95,11 @@ ROUTES = {"native": lambda p, x: native.linear(x, p.weight, p.bias),  # what eac
           "padded": lambda p, x: p.packed_linear(x, size=PAD_TO),
           "torch": lambda p, x: F.linear(x, p.weight, p.bias)}  # only where nothing is packed
 # Without a packed product the C kernel is weighed against torch's plain one, which for bf16 on a CPU without bf16
-# instructions is slower at every size (SmolLM2's 3,072 x 576 up-projection on the AVX2 EPYC, 256 rows: 23 ms
-# against our 4.3), so a prefill's rows are measured too, and a kernel never slower up to the last of them serves
-# every row count.
-UNPACKED_ROWS = CANDIDATE_ROWS + (32, 64, 128, 256)
+# instructions falls further behind as rows grow (all of SmolLM2's projections on the AVX2 EPYC: 14.2 against 16.2
+# ms at 1 row, 48 against 230 at 16, 178 against 909 at 64, 725 against 3,561 at 256:
+# results/bf16-avx2-s53/routes-bf16.json), so a prefill's rows are measured too, and a kernel never slower up to
+# the last of them serves every row count (up to 64: the larger counts took 40 s of the first start to confirm it).
+UNPACKED_ROWS = CANDIDATE_ROWS + (32, 64)
 EVERY_ROW = 2**31 - 1  # native_rows where the C kernel serves every row count
 
 

@@ -15,6 +15,15 @@ from .policies import (SPS, capacity_from_survivals, could_grow, draft_depth_for
 from .policy_objects import need_confidences
 
 
+DIP_STEPS = 4  # hold_backoff: drafting this many steps in a row at a lower load is a load drop, not a dip
+
+
+def _flag(name: str, value) -> bool:
+    if value not in (0, 1):  # also spelled async:name=1
+        raise ValueError(f"{name} must be a bool (0 or 1), got {value!r}")
+    return bool(value)
+
+
 class AsyncPolicy:
     """Asynchronous scheduler: K from the confidences of a step at least ``lag`` steps old, then top-K of the
     current ones.
@@ -69,6 +78,10 @@ class AsyncPolicy:
       results/serving-s47-confirm-c4-c8-t0, -t1).
     - ``watch_load`` (on): once the batch holds at most half the requests it held when the probes began backing
       off, the next probe comes after ``probe_every`` skipped steps (off: only past ``max_probe_every``).
+    - ``hold_backoff`` (on since session 53): drafting at fewer requests than the last probe priced (one request
+      between two at C = 2) does not reset the probes' interval unless it lasts ``DIP_STEPS`` steps; on a bf16 target on the AVX2 EPYC such dips
+      restarted the back-off every request, and 11 % of the steps at C = 2 were probes costing 70 % of a step
+      each (results/async-decisions-s53/c2-bf16-t1.txt).
     """
 
     needs_confidence = True
@@ -84,7 +97,7 @@ class AsyncPolicy:
                  price_context: bool = True, spread_depth: bool = True, joint_requests: int = 4,
                  explore_every: int = 8, watch_load: bool = True, live_overhead: bool = True,
                  shrink: float = 1.0, long_steps: int = 256, low_stay_gain: float | None = -0.03,
-                 shallow_probes: bool = True, k_margin: float = 0.0):
+                 shallow_probes: bool = True, k_margin: float = 0.0, hold_backoff: bool = True):
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (lag 0 would read the current tokens), got {lag}")
         if not 1 <= probe_every <= max_probe_every:
@@ -114,38 +127,23 @@ class AsyncPolicy:
         if not 0.0 <= near_loss < 1.0:
             raise ValueError(f"near_loss must lie in [0, 1), got {near_loss}")
         self.near_loss = near_loss
-        if early_stop not in (0, 1):  # also spelled async:early_stop=1
-            raise ValueError(f"early_stop must be a bool (0 or 1), got {early_stop!r}")
-        self.early_stop = bool(early_stop)
-        if lean_depth not in (0, 1):
-            raise ValueError(f"lean_depth must be a bool (0 or 1), got {lean_depth!r}")
-        self.lean_depth = bool(lean_depth)
-        if live not in (0, 1):
-            raise ValueError(f"live must be a bool (0 or 1), got {live!r}")
+        self.early_stop = _flag("early_stop", early_stop)
+        self.lean_depth = _flag("lean_depth", lean_depth)
+        live = _flag("live", live)
         if steady_run < 1:
             raise ValueError(f"steady_run must be >= 1, got {steady_run}")
         self.steady_run = steady_run
-        if confirm not in (0, 1):
-            raise ValueError(f"confirm must be a bool (0 or 1), got {confirm!r}")
-        self.confirm = bool(confirm)
+        self.confirm = _flag("confirm", confirm)
         if not 0.0 < far_loss < 1.0:
             raise ValueError(f"far_loss must lie in (0, 1), got {far_loss}")
         far_probe_every = max_probe_every if far_probe_every is None else far_probe_every  # None: no far back-off
         if far_probe_every < max_probe_every:
             raise ValueError(f"need far_probe_every >= max_probe_every = {max_probe_every}, got {far_probe_every}")
         self.far_loss, self.far_probe_every = far_loss, far_probe_every
-        if watch_load not in (0, 1):
-            raise ValueError(f"watch_load must be a bool (0 or 1), got {watch_load!r}")
-        self.watch_load = bool(watch_load)
-        if price_context not in (0, 1):
-            raise ValueError(f"price_context must be a bool (0 or 1), got {price_context!r}")
-        self.prices_context = bool(price_context)  # prepare() takes the requests' mean context (see ``sps``)
-        if spread_depth not in (0, 1):
-            raise ValueError(f"spread_depth must be a bool (0 or 1), got {spread_depth!r}")
-        self.spread_depth = bool(spread_depth)
-        if shallow_probes not in (0, 1):
-            raise ValueError(f"shallow_probes must be a bool (0 or 1), got {shallow_probes!r}")
-        self.shallow_probes = bool(shallow_probes)
+        self.watch_load, self.hold_backoff = _flag("watch_load", watch_load), _flag("hold_backoff", hold_backoff)
+        self.prices_context = _flag("price_context", price_context)  # prepare() takes the mean context (``sps``)
+        self.spread_depth = _flag("spread_depth", spread_depth)
+        self.shallow_probes = _flag("shallow_probes", shallow_probes)
         if not 0.0 <= k_margin < 1.0:
             raise ValueError(f"k_margin must lie in [0, 1), got {k_margin}")
         self.k_margin = float(k_margin)
@@ -161,9 +159,7 @@ class AsyncPolicy:
         self.shrink = float(shrink)
         self._long = LongRunSurvivals(int(long_steps), lag) if shrink < 1.0 else None
         self.live = LiveProfile(sps) if live else None  # kept across reset(): it describes the machine
-        if live_overhead not in (0, 1):
-            raise ValueError(f"live_overhead must be a bool (0 or 1), got {live_overhead!r}")
-        self.live_overhead = bool(live_overhead)
+        self.live_overhead = _flag("live_overhead", live_overhead)
         self.tracker = AcceptanceTracker() if online_calibration else None
         self.name = "async-online" if online_calibration else "async"
         self.reset()
@@ -187,6 +183,7 @@ class AsyncPolicy:
         self._interval = self.probe_every  # skipped steps before the next probe
         self._run = 0  # K > 0 steps in a row
         self._backoff_load = 0  # requests in the batch when probes began backing off (watch_load; 0: they have not)
+        self._probe_load = 0  # requests in the batch the last probe's interval was set for (hold_backoff)
         self._confirmed: tuple = ()  # the thin pool the last confirming probe was run for
         self._planned = False
         self._context = 0  # the running requests' mean context, rounded (0: not given)
@@ -254,7 +251,9 @@ class AsyncPolicy:
         self._explore = bool(self.last_capacity) and self._drafting_steps % self.explore_every == 0
         self._drafting_steps += bool(self.last_capacity)
         if self.last_capacity:  # when this run ends, look again soon if a probe is just a drafting step
-            if n_requests <= self.probe_requests:
+            if self.hold_backoff and n_requests < self._probe_load and self._run < DIP_STEPS:
+                pass  # a dip below the load the probes were priced at (a request left, the next not yet in)
+            elif n_requests <= self.probe_requests:
                 self._interval, self._backoff_load = self.reprobe_every, 0
             elif self._run >= self.steady_run:  # a false start keeps the backed-off interval
                 self._interval, self._backoff_load = self.probe_every, 0
@@ -297,6 +296,7 @@ class AsyncPolicy:
     def _next_interval(self, ratio: float, n_requests: int) -> int:
         """Skipped steps before the probe after this one: soon while drafting is near paying at a load a probe
         drafts whole; doubling up to ``max_probe_every``, or ``far_probe_every`` while it is far from paying."""
+        self._probe_load = n_requests
         if ratio >= 1.0 - self.near_loss and n_requests <= self.probe_requests:
             return self.reprobe_every
         far = ratio < 1.0 - self.far_loss and n_requests > self.probe_requests  # only thin probes, under load
