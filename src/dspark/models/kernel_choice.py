@@ -105,7 +105,8 @@ EVERY_ROW = 2**31 - 1  # native_rows where the C kernel serves every row count
 
 def measure(model, rows: tuple[int, ...] | None = None, rounds: int = ROUNDS) -> tuple[Routes, dict]:
     """(routes, {rows: {route: median s}}): every projection through each route that applies to the row count,
-    `rounds` interleaved rounds (at least PAD_ROUNDS below PAD_TO) after one warm-up. Without the C kernel only the
+    `rounds` interleaved rounds (at least PAD_ROUNDS below PAD_TO where padding is measured) after one warm-up.
+    Without the C kernel only the
     rows below PAD_TO are measured."""
     projs = projections(model)
     with_native, packed = has_native(model), has_packed(model)
@@ -118,7 +119,7 @@ def measure(model, rows: tuple[int, ...] | None = None, rounds: int = ROUNDS) ->
         names = [r for r in ROUTES if (r == "native" and with_native or r in others) and (r != "padded" or n < PAD_TO)]
         xs = [torch.randn(n, p.weight.shape[1], dtype=p.weight.dtype) for p in projs]
         times: dict[str, list[float]] = {name: [] for name in names}
-        for i in range((rounds if n >= PAD_TO else max(rounds, PAD_ROUNDS)) + 1):
+        for i in range((rounds if n >= PAD_TO or not packed else max(rounds, PAD_ROUNDS)) + 1):  # padding's
             for name in names:
                 t0 = time.perf_counter()
                 for p, x in zip(projs, xs):
