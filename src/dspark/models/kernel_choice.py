@@ -106,8 +106,7 @@ EVERY_ROW = 2**31 - 1  # native_rows where the C kernel serves every row count
 def measure(model, rows: tuple[int, ...] | None = None, rounds: int = ROUNDS) -> tuple[Routes, dict]:
     """(routes, {rows: {route: median s}}): every projection through each route that applies to the row count,
     `rounds` interleaved rounds (at least PAD_ROUNDS below PAD_TO where padding is measured) after one warm-up.
-    Without the C kernel only the
-    rows below PAD_TO are measured."""
+    Without the C kernel only the rows below PAD_TO are measured."""
     projs = projections(model)
     with_native, packed = has_native(model), has_packed(model)
     if rows is None:
