@@ -1,8 +1,9 @@
 """The async scheduler's probing under load, where a probe drafts fewer requests than the batch holds:
 ``confirm`` (a promising pool thinner than the batch is re-probed before every request drafts), ``steady_run``
 (a drafting run that ends at once keeps the backed-off probe interval) and the far back-off (probes rarer than
-``max_probe_every`` while drafting is priced far from paying) and ``watch_load`` (soon again once the load halves). All read only
-past decisions, old confidences and request counts; the engine-level exactness of every async variant is in
+``max_probe_every`` while drafting is priced far from paying), ``watch_load`` (soon again once the load halves)
+and ``hold_backoff`` (a one-request dip does not restart the back-off). All read only past decisions, old
+confidences and request counts; the engine-level exactness of every async variant is in
 tests/drafters/test_dspark_exactness.py."""
 import numpy as np
 import pytest
@@ -191,10 +192,11 @@ def test_k_margin_is_validated_and_reachable_by_name():
 
 
 def test_a_dip_of_one_request_keeps_the_probes_backed_off_with_hold_backoff():
-    """Two requests, where drafting loses, with a dip to one request every 20
-    steps (one left, the next not yet in), where one draft is free and K = 1 pays; each token past two costs 0.4. Without hold_backoff each dip's
-    drafting step resets the probes' interval, so they start again from two skipped steps every 20; with it they
-    stay backed off. A dip that lasts DIP_STEPS drafting steps is a load drop, and resets them as before."""
+    """Two requests, where drafting loses (each token past two costs 0.4 of a step), with a dip to one request
+    every 20 steps (one left, the next not yet in), where one draft is free and K = 1 pays. Without hold_backoff
+    each dip's drafting step resets the probes' interval, so they start again from two skipped steps every 20;
+    with it they stay backed off. A dip that lasts DIP_STEPS drafting steps is a load drop, and resets them as
+    before."""
     from dspark.scheduling.async_policy import DIP_STEPS
 
     free_second_token = lambda b: 1 / (1 + 0.4 * np.maximum(np.asarray(b) - 2, 0))  # noqa: E731

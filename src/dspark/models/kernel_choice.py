@@ -4,8 +4,8 @@ Two choices, both measured because they depend on the CPU and even on the VM's p
 
 * Up to how many rows our C kernel (models/native.py; fp32, and bf16 on AVX512-BF16 or AVX2) serves a
   projection before oneDNN's packed product does — or, where torch packs no weights of the model's dtype (bf16 on
-  an AVX2-only CPU), before torch's plain product does, prefill sizes included. On the 2-core dev machine the C kernel beat oneDNN at every
-  row count up to 16 in one phase (`python -m dspark.bench.kernels --rows 1,2,3,4,6,8,12,16`,
+  an AVX2-only CPU), before torch's plain product does, prefill sizes included. On the 2-core dev machine the C
+  kernel beat oneDNN at every row count up to 16 in one phase (`python -m dspark.bench.kernels --rows 1,2,3,4,6,8,12,16`,
   results/kernels-s20), while in a faster phase its one-row-at-a-time predecessor lost from 4 rows
   (results/runtime-s16). A fixed limit fits one of them; a verify step of 3-8 tokens then pays the slower kernel
   (57 -> 81 ms from 2 to 3 tokens with the limit at 2, results/serving-s19-early-stop/profile.txt).

@@ -79,9 +79,9 @@ class AsyncPolicy:
     - ``watch_load`` (on): once the batch holds at most half the requests it held when the probes began backing
       off, the next probe comes after ``probe_every`` skipped steps (off: only past ``max_probe_every``).
     - ``hold_backoff`` (on since session 53): drafting at fewer requests than the last probe priced (one request
-      between two at C = 2) does not reset the probes' interval unless it lasts ``DIP_STEPS`` steps; on a bf16 target on the AVX2 EPYC such dips
-      restarted the back-off every request, and 11 % of the steps at C = 2 were probes costing 70 % of a step
-      each (results/async-decisions-s53/c2-bf16-t1.txt).
+      between two at C = 2) keeps the probes' interval unless it lasts ``DIP_STEPS`` steps; such dips restarted
+      the back-off every request: 11 % of the steps at C = 2 on a bf16 target were probes costing 70 % of a step
+      each (results/async-decisions-s53/c2-bf16-t1.txt, results/serving-s53-amd-avx2-bf16-hold-t1).
     """
 
     needs_confidence = True
