@@ -90,6 +90,8 @@ def test_without_a_packed_product_the_limit_is_the_last_count_ours_wins_and_may_
     torch_slower = {n: {"native": 1.0, "torch": 1.0 + n} for n in kernel_choice.UNPACKED_ROWS}
     torch_slower[1]["torch"] = 0.9  # a near-tie lost at one row does not hand every count to torch
     assert kernel_choice.routes_from(torch_slower, with_native=True) == Routes(kernel_choice.EVERY_ROW)
+    last = kernel_choice.UNPACKED_ROWS[-1]  # fp32 weights: torch's BLAS may win past the counts measured
+    assert kernel_choice.routes_from(torch_slower, with_native=True, every_row=False) == Routes(last)
     short = {n: t for n, t in torch_slower.items() if n <= 16}  # not measured up to a prefill's rows: no extrapolation
     assert kernel_choice.routes_from(short, with_native=True) == Routes(16)
     *_, before, last = kernel_choice.UNPACKED_ROWS

@@ -126,10 +126,13 @@ def measure(model, rows: tuple[int, ...] | None = None, rounds: int = ROUNDS) ->
                 if i:
                     times[name].append(time.perf_counter() - t0)
         table[n] = {name: statistics.median(t) for name, t in times.items()}
-    return routes_from(table, with_native), table
+    # torch's fp32 product is a blocked GEMM that may overtake ours (tuned for a few rows) at a prefill's rows,
+    # where its emulated bf16 one falls further behind: only bf16 is extrapolated past the counts measured (fp32
+    # gets here only where torch packs nothing at all)
+    return routes_from(table, with_native, every_row=all(p.weight.dtype == torch.bfloat16 for p in projs)), table
 
 
-def routes_from(table: dict[int, dict[str, float]], with_native: bool) -> Routes:
+def routes_from(table: dict[int, dict[str, float]], with_native: bool, every_row: bool = True) -> Routes:
     """Pad where padded is faster; the C kernel's limit against oneDNN's better route at each row count. Without a
     packed product the other route is torch's, which loses ground as rows grow, so the limit is the largest count
     where ours is not slower (a near-tie lost at one row must not hand a prefill to torch), and where that is the
@@ -138,7 +141,7 @@ def routes_from(table: dict[int, dict[str, float]], with_native: bool) -> Routes
     limit = None
     if with_native and table and all("torch" in t for t in table.values()):
         limit = max((n for n, t in table.items() if t["native"] <= t["torch"]), default=0)
-        limit = EVERY_ROW if limit == max(table) >= UNPACKED_ROWS[-1] else limit
+        limit = EVERY_ROW if every_row and limit == max(table) >= UNPACKED_ROWS[-1] else limit
     elif with_native:
         limit = crossover({n: [t["native"], min(t["onednn"], t.get("padded", t["onednn"]))]
                            for n, t in table.items()})
