@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 
 from dspark.decoding import SamplingParams
 from dspark.scheduling import async_schedule
+from dspark.scheduling.async_policy import DIP_STEPS
 from dspark.engine import Generation, TransformerTarget
 from dspark_testlib import speculative, tiny_drafter, tiny_target
 
@@ -302,16 +303,19 @@ RULES = {"kept drafting below the entry margin": dict(min_gain=0.27, near_loss=0
          "kept drafting at a priced loss (low load)": dict(low_stay_gain=-0.9, min_gain=0.0, max_age=4),
          # min_gain 0.5: only probes draft, each one slot past the depth its pool priced
          "shallow probe": dict(min_gain=0.5, max_age=4),
-         "smaller K within k_margin": dict(k_margin=0.2, min_gain=0.0, max_age=4)}
+         "smaller K within k_margin": dict(k_margin=0.2, min_gain=0.0, max_age=4),
+         "dips keep the probes backed off": dict(hold_backoff=True, min_gain=0.0, max_age=4)}
 # Requests each test runs at once where a rule needs load: these rules fire only while a probe (of one request)
 # drafts part of the batch, and the far back-off's load must then halve; at T = 1 requests live three steps.
 RUNNING = {"greedy": {"confirmed thin pool": 3, "far back-off": 2, "probes soon once the load halves": 2,
-                      "depth capped by the spread of K": 3, "depth priced with K": 3},
+                      "depth capped by the spread of K": 3, "depth priced with K": 3,
+                      "dips keep the probes backed off": 2},
            # one request at a time: with the seeded draws of two (seeds 7, 8) neither rule changed a decision once
            # depths were priced on one sample (session 52); at one request both do
            "seeded": {"confirmed thin pool": 3, "kept drafting at a priced loss (low load)": 1,
                       "pools shrunk toward the long-run mean": 1, "shallow probe": 1},
-           "t1": {"confirmed thin pool": 3, "far back-off": 3, "probes soon once the load halves": 3}}
+           "t1": {"confirmed thin pool": 3, "far back-off": 3, "probes soon once the load halves": 3,
+                  "dips keep the probes backed off": 3}}
 
 
 def _verify_priced_profile(gamma: int):
@@ -331,6 +335,17 @@ def _staircase_profile(gamma: int):
     tokens = tuple(range(1, 17))
     seconds = tuple(0.010 + 0.001 * (n - 1) + 0.006 * ((n - 1) // 2) for n in tokens)
     return SpeedProfile(tokens, seconds, (1, 16), (0.001, 0.001), shallow_draft_seconds=(0.0005, 0.0005),
+                        draft_depth=gamma)
+
+
+def _solo_pays_profile(gamma: int):
+    from dspark.scheduling.profile import SpeedProfile
+
+    # Two tokens cost what one does, a third doubles the step: one request verifying one draft pays, two requests
+    # verifying any cannot, so probes back off at two requests and one request left alone (a dip) drafts.
+    tokens = tuple(range(1, 17))
+    seconds = tuple(0.010 + 0.0001 * (n == 2) + (0.010 + 0.005 * (n - 3)) * (n >= 3) for n in tokens)
+    return SpeedProfile(tokens, seconds, (1, 16), (0.0002, 0.0002), shallow_draft_seconds=(0.0001, 0.0001),
                         draft_depth=gamma)
 
 
@@ -360,7 +375,8 @@ PRICED_BY = {"early stop below K": (_verify_priced_profile, False), "no extra sl
              "depth capped by the spread of K": (_verify_priced_profile, False),
              "pools shrunk toward the long-run mean": (_depth_priced_profile, False),
              "kept drafting at a priced loss (low load)": (_verify_priced_profile, False),
-             "shallow probe": (_verify_priced_profile, False)}
+             "shallow probe": (_verify_priced_profile, False),
+             "dips keep the probes backed off": (_solo_pays_profile, False)}
 
 
 # rules that fire where every request's drafts look alike (K shared evenly), as a random head's do
@@ -380,8 +396,13 @@ def _rules_engine(target, drafter, max_running: int, rule: str):
     seen, prepare, select, probes = set(), policy.prepare, policy.select, [0]  # probes since the last drafting run
 
     def spy(n_requests, context=None):
-        confirmed, far_load = policy._confirmed, policy._backoff_load
+        confirmed, far_load, interval = policy._confirmed, policy._backoff_load, policy._interval
         drafts = prepare(n_requests, context=context)
+        if policy.last_capacity and n_requests < policy._probe_load and policy._run < DIP_STEPS:
+            reset = policy.reprobe_every if n_requests <= policy.probe_requests else (
+                policy.probe_every if policy._run >= policy.steady_run else interval)
+            if policy._interval == interval != reset:
+                seen.add("dips keep the probes backed off")  # a drafting dip left the backed-off interval as it was
         if policy._interval > policy.max_probe_every:
             seen.add("far back-off")  # probes rarer than max_probe_every allows
         if far_load and not policy._backoff_load and policy.last_capacity == 0 and not policy._probing:
@@ -475,7 +496,8 @@ def test_engine_seeded_sampling_with_async_low_load_rules(rule):
 
     def run(seed):
         engine, seen = _rules_engine(target, drafter, RUNNING["seeded"].get(rule, 2), rule)
-        lengths = (40, 24) if rule == "probes soon once the load halves" else (40, 40)  # then the load halves
+        # then the load halves, or dips to one request
+        lengths = (40, 24) if rule in ("probes soon once the load halves", "dips keep the probes backed off") else (40, 40)
         reqs = [engine.add_request(p, SamplingParams(temperature=1.0, max_new_tokens=n, seed=seed + i,
                                                      ignore_eos=True))
                 for i, (p, n) in enumerate(zip([[3, 4, 5], [9, 2]], lengths))]
