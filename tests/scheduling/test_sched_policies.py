@@ -612,6 +612,22 @@ def test_policy_options_follow_the_name():
             make_policy(bad, sps=sps)
 
 
+def test_policy_specs_are_checked_before_anything_loads():
+    from dspark.engine.llm import LLM
+    from dspark.scheduling.registry import check_spec
+
+    for good in ("auto", "async", "async:min_gain=0.1:hold_backoff=0", "async-online:probe_every=4", "fixed-3",
+                 "mtp1", "threshold:threshold=0.3", "sync:unsafe=0"):
+        check_spec(good)
+    for bad, match in [("fixed-three", "unknown policy 'fixed-three'"), ("async:min_gian=1", "min_gian"),
+                       ("none:k=2", "no options"), ("auto:min_gain=1", "unknown policy 'auto'"),
+                       ("async:min_gain", "name=number")]:
+        with pytest.raises(ValueError, match=match):
+            check_spec(bad)
+    with pytest.raises(ValueError, match="min_gian"):  # refused before the (missing) model is looked for
+        LLM(model="/nonexistent/model", policy="async:min_gian=1")
+
+
 def test_build_policy_prices_a_policy_spec_by_its_base_name():
     """`sync:...` / `async:...` get the speed profile and `threshold:...` the default threshold, as the bare names do."""
     from types import SimpleNamespace

@@ -21,6 +21,7 @@ from ..engine.llm import build_policy
 from ..generate import prompt_ids
 from ..models import load_model
 from ..scheduling.profile_io import profile_to_dict
+from ..scheduling.registry import check_spec
 from .closed_loop import ClosedLoop, run_cell, run_loops
 from .common import load_bench_prompts, machine_info, markdown_table, median, write_results
 
@@ -60,6 +61,8 @@ class ServeBenchConfig:
             raise ValueError("bench serve needs repeats >= 1, seconds > 0, warmup >= 0, at least one policy and "
                              f"concurrency levels >= 1 (got repeats={self.repeats}, seconds={self.seconds_per_cell}, "
                              f"warmup={self.warmup_s}, policies={self.policies}, concurrency={self.concurrency})")
+        for spec in self.policies:  # before the model loads
+            check_spec(spec)
 
 
 def setup(cfg: ServeBenchConfig):

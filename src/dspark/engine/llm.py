@@ -7,7 +7,7 @@ from ..decoding import SamplingParams
 from ..drafters import make_drafter
 from ..drafters.base import split_precision
 from ..models import DEFAULT_MODEL, load_model
-from ..scheduling.registry import base_name, make_policy
+from ..scheduling.registry import base_name, check_spec, make_policy
 from .engine import Engine, EngineConfig
 from .request import Request
 
@@ -62,6 +62,7 @@ def completion_of(req: Request) -> Completion:
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, drafter: str | None = "auto", policy: str = "auto",
                  gamma: int = 7, dtype: str = "float32", **engine_options):
+        check_spec(policy)  # a misspelt policy should not cost a model load
         self.loaded = load_model(model, dtype=dtype)
         self.tokenizer = self.loaded.tokenizer
         self.drafter = make_drafter(drafter, target=self.loaded.model, gamma=gamma,

@@ -6,6 +6,7 @@ re-exported here.
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from typing import Callable
@@ -20,7 +21,7 @@ from .policy_objects import (
 )
 
 __all__ = ["AsyncPolicy", "CONFIDENCE_FREE", "ConfidenceRequiredError", "FixedPolicy", "POLICIES", "SyncPolicy",
-           "ThresholdPolicy", "make_policy"]
+           "ThresholdPolicy", "check_spec", "make_policy"]
 
 
 def _fixed(k: int = 0) -> FixedPolicy:
@@ -64,6 +65,26 @@ def make_policy(name: str, *, confidence_available: bool = True, **kwargs):
         return factory(**kwargs)
     except TypeError as e:
         raise TypeError(f"bad arguments for policy {name!r}: {e}") from e
+
+
+def check_spec(spec: str) -> None:
+    """Refuse an unknown policy name or option before anything is loaded (``make_policy`` refuses them too, but
+    only once the model, drafter and speed profile it needs exist). ``auto`` is accepted: the caller resolves it."""
+    name, options = _split_options(spec)
+    if re.fullmatch(r"fixed-(\d+)", name):
+        name, options = "fixed", {**options, "k": 0}
+    if name == "auto" and not options:
+        return
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(POLICIES)} (and fixed-<k>)")
+    target = AsyncPolicy if name == "async-online" else POLICIES[name][0]  # its factory forwards to AsyncPolicy
+    parameters = inspect.signature(target).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = sorted(set(options) - set(parameters))
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(unknown)} for policy {name!r}; it takes: "
+                         f"{', '.join(parameters) or 'no options'}")
 
 
 def base_name(spec: str) -> str:
