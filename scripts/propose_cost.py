@@ -16,7 +16,8 @@
 Greedy batches carry no full-vocabulary distributions (point masses); `depth` is what a fixed-K policy asks for.
 `--ab-kernels` times each proposal with the drafter's inference kernels (drafters/draft_kernels.py) and with its
 reference nn.Linear products, in a shuffled order within one process; `--ab-bf16` likewise with the kernels in
-fp32 and with bf16 products (draft_kernels.py: bf16 LM head, bf16 projections from 3 rows up); `--ab-native-rows
+fp32 and with bf16 products (draft_kernels.py: bf16 LM head, bf16 projections from 3 rows up; where only our bf16
+C kernel is fast, AVX2, both up to BF16_C_ROWS rows); `--ab-native-rows
 A,B` with our C kernel serving the drafter's fp32 projections and head up to A, then B rows (kernel_choice.py);
 `--ab-backbone` the inference backbone (`DSparkModel.draft_states`) against the whole block through `backbone`;
 `--ab-attention` drafting's one fused block-attention call against the grouped products (dspark_attention.py).
@@ -119,12 +120,14 @@ def mode_setters(drafter, model, args) -> dict:
     if args.ab_native_rows:
         return {f"rows<={n}": _rows_setter(drafter, int(n)) for n in args.ab_native_rows.split(",")}
     if args.ab_bf16:
-        packed, native = model.lm_head.packed is not None, model.lm_head.native
+        packed, native, rows = model.lm_head.packed is not None, model.lm_head.native, model.lm_head.native_rows
         modes = {}
-        for name, bf16 in (("bf16", True), ("fp32", False)):
-            draft_kernels.attach(drafter.model, packed=packed, native=native, bf16=bf16)
+        for name, bf16 in (("bf16", True), ("fp32", False)):  # bf16 as DSparkDrafter builds it (AVX2: few rows)
+            c_rows = draft_kernels.bf16_c_rows() if bf16 and native else None
+            draft_kernels.attach(drafter.model, packed=packed, native=native, bf16=bf16, native_rows=rows,
+                                 c_rows=c_rows)
             kernels = {m: m.__dict__["fast_linears"] for m in drafter.model.modules() if "fast_linears" in m.__dict__}
-            modes[name] = _setter(drafter, kernels, inference_head(drafter.model, model, bf16))
+            modes[name] = _setter(drafter, kernels, inference_head(drafter.model, model, bf16, c_rows))
         return modes
     attached = {m: m.__dict__["fast_linears"] for m in drafter.model.modules() if "fast_linears" in m.__dict__}
     if args.ab_kernels and not attached:

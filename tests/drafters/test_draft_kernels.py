@@ -123,7 +123,8 @@ def test_bf16_products_draft_what_fp32_drafts_up_to_near_ties(target, head, monk
         pytest.skip("no fast CPU kernel in this build")
     fp32 = tiny_drafter(target, head=head, head_scale=1.0, block=4)
     bf16 = tiny_drafter(target, head=head, head_scale=1.0, block=4, bf16=True)
-    assert bf16.profile_id.endswith("-k-bf16c" if bf16.bf16_c else "-k-bf16") and "-bf16" not in fp32.profile_id
+    suffix = f"-k-bf16{'c' if bf16.bf16_c else ''}{f'c{bf16.c_rows}' if bf16.c_rows else ''}"
+    assert bf16.profile_id.endswith(suffix) and "-bf16" not in fp32.profile_id
     params, tolerance = SamplingParams(temperature=0.0), 0.05
     for prompts in (PROMPTS[:1], PROMPTS):
         ref, ref_logits = _drafted_logits(fp32, monkeypatch, prompts, params)
@@ -142,8 +143,9 @@ def test_bf16_products_draft_what_fp32_drafts_up_to_near_ties(target, head, monk
 
 def test_bf16_products_of_few_rows_take_the_bf16_c_kernel_where_there_is_one(target, monkeypatch):
     """In bf16, 1-2 rows go to the bf16 C kernel where the CPU has one (its cold-weight products were the fastest
-    there: results/bf16-projections-s46), 3 and more to bf16 oneDNN; without it, few rows stay on the fp32
-    kernels, as before. Both give the reference product to bf16 rounding."""
+    there: results/bf16-projections-s46), 3 and more to bf16 oneDNN; where that C kernel is the only fast bf16
+    product (AVX2), up to BF16_C_ROWS rows go to it and more to the fp32 kernels (results/bf16-projections-s54);
+    without it, few rows stay on the fp32 kernels, as before. All give the reference product to bf16 rounding."""
     from dspark.models import native
 
     if not _kernels_available(target):
@@ -152,33 +154,40 @@ def test_bf16_products_of_few_rows_take_the_bf16_c_kernel_where_there_is_one(tar
     layer = drafter.model.layers[0]
     fast = draft_kernels.attached(layer, "gate_up")
     has_c = native.kernel_bf16() is not None and target.lm_head.native
-    assert fast.wide.native == has_c == drafter.bf16_c  # and the speed profile's key says so (profile_id)
+    c_only = has_c and not draft_kernels.bf16_is_fast()
+    assert fast.wide.native == has_c and drafter.bf16_c == (has_c and not c_only)  # the profile's key says so
+    assert fast.c_rows == drafter.c_rows == (draft_kernels.BF16_C_ROWS if c_only else None)
     calls = []
     real = native.linear
     monkeypatch.setattr(native, "linear", lambda x, w, b=None: calls.append((x.shape[0], w.dtype)) or real(x, w, b))
-    for rows in (1, 2, 3, 7):
+    counts = (1, 2, 3, 7, draft_kernels.BF16_C_ROWS, draft_kernels.BF16_C_ROWS + 1)
+    for rows in counts:
         x = torch.randn(rows, target.config.hidden_size)
         with torch.inference_mode():
             got = draft_kernels.linear(layer, "gate_up", x)
         torch.testing.assert_close(got, layer.gate_up(x), atol=0.05, rtol=0.02)
-    if has_c:
+    if c_only:  # the largest count on the fp32 kernels: ours up to the target's limit, else oneDNN (no call here)
+        assert calls[:5] == [(n, torch.bfloat16) for n in counts[:5]]
+        assert all(dtype == torch.float32 for _, dtype in calls[5:])
+    elif has_c:
         assert calls == [(1, torch.bfloat16), (2, torch.bfloat16)]
     else:
         assert all(dtype == torch.float32 for _, dtype in calls)
     # where bf16 serves every row count no fp32 product (and its packed weight copy) was built; one asked for
     # (benchmarks read it) is still the module's product
     fast_linears = [f for m in drafter.model.modules() for f in m.__dict__.get("fast_linears", {}).values()]
-    assert all((f._projection is None) == has_c for f in fast_linears)
+    assert all((f._projection is None) == (has_c and not c_only) for f in fast_linears)
     x = torch.randn(2, target.config.hidden_size)
     with torch.inference_mode():
         torch.testing.assert_close(fast.projection(x), layer.gate_up(x), atol=1e-4, rtol=1e-4)
 
 
-def test_bf16_is_on_by_default_only_where_the_cpu_multiplies_bf16(target):
+def test_bf16_is_on_by_default_only_where_a_bf16_kernel_is_fast(target):
     from dspark.drafters.dspark import DSparkDrafter
 
     auto = DSparkDrafter(tiny_drafter(target).model, target, bf16=None)
-    assert auto.bf16 == (target.lm_head.packed is not None and draft_kernels.bf16_is_fast())
+    assert auto.bf16 == ((target.lm_head.packed is not None and draft_kernels.bf16_is_fast())
+                         or (draft_kernels.bf16_c_rows() is not None and target.lm_head.native))  # AVX2: few rows
     assert ("-bf16" in auto.profile_id) == auto.bf16
 
 

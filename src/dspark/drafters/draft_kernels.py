@@ -22,6 +22,14 @@ results/bf16-projections-s46). Without it, the fp32 C kernel (as on session 15's
 existed). The shipped drafter's weights are stored in bf16, so the copy is exact and only the activations are
 rounded; the Markov head's input, a row of its own bf16 table, is not rounded at all.
 
+Where our bf16 C kernel is the only fast bf16 product (AVX2 without AVX512-BF16: oneDNN emulates bf16 and torch
+packs no bf16 weights), `bf16=True` (the default there, `bf16_c_rows`) sends products of up to `BF16_C_ROWS` rows to
+it and larger ones to the fp32 kernels: on session 54's AMD EPYC it was faster than both fp32 kernels on every
+drafter shape up to 8 rows but the K/V rows, a tie (draft LM head 3.33 -> 1.96 ms, Markov head 0.49 -> 0.23 ms at one
+row; 1.05-1.2x at 8), while at 16 rows fp32 oneDNN won the heads' products (scripts/bf16_projection_cost.py,
+results/bf16-projections-s54); a batch-1 proposal got 1.26-1.38x faster, two to eight requests 0.98-1.13x at depth 4-7
+(scripts/propose_cost.py --ab-bf16, results/drafter-bf16-avx2-s54).
+
 Either way the drafter's distribution q moves by float rounding (bf16: ~1e-2 in a logit), so a drafted token can
 differ from the reference path where its top two logits nearly tie. Verification uses the probabilities the
 drafter actually sampled from, so every path is lossless (tests/drafters/test_draft_kernels.py compares them).
@@ -31,9 +39,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..models import native as native_kernel
 from ..models.layers import Projection
 
 BF16_MIN_ROWS = 3  # below, the C kernels beat bf16 oneDNN on the draft layer's shapes (bf16_projection_cost.py)
+BF16_C_ROWS = 8  # where only the bf16 C kernel is fast: its row limit (above, fp32 kernels; see the docstring)
 
 
 def bf16_is_fast() -> bool:
@@ -44,11 +54,19 @@ def bf16_is_fast() -> bool:
     return torch.backends.mkldnn.is_available() and any(f is not None and f() for f in has)
 
 
-def bf16_projection(weight: torch.Tensor, native: bool = False) -> Projection:
+def bf16_c_rows() -> int | None:
+    """``BF16_C_ROWS`` where our bf16 C kernel runs but bf16 oneDNN is not fast (AVX2): the drafter's bf16 products
+    are then that kernel's, up to that many rows; None elsewhere (bf16 oneDNN serves, or no bf16 kernel is fast)."""
+    return BF16_C_ROWS if not bf16_is_fast() and native_kernel.kernel_bf16() is not None else None
+
+
+def bf16_projection(weight: torch.Tensor, native: bool = False, c_rows: int | None = None) -> Projection:
     """A product with bf16 weights: call it with bf16 activations; it returns bf16. Pre-packed oneDNN, and with
-    `native` the bf16 C kernel below BF16_MIN_ROWS rows where the CPU has one."""
-    projection = Projection(weight.detach().to(torch.bfloat16).contiguous(), packed=True, native=native)
-    projection.native_rows = BF16_MIN_ROWS - 1
+    `native` the bf16 C kernel below BF16_MIN_ROWS rows where the CPU has one; with `c_rows`, only the C kernel
+    (its callers send it at most that many rows)."""
+    bf16 = weight.detach().to(torch.bfloat16).contiguous()
+    projection = Projection(bf16, packed=not c_rows, native=native or bool(c_rows))
+    projection.native_rows = c_rows or BF16_MIN_ROWS - 1
     return projection
 
 
@@ -56,21 +74,31 @@ class FastLinear:
     """A `Projection` of ``weight[rows]`` (+ bias) standing in for an `nn.Linear` outside autograd."""
 
     def __init__(self, linear: nn.Linear, rows: slice | None = None, *, packed: bool, native: bool,
-                 bf16: bool = False, native_rows: int | None = None):
+                 bf16: bool = False, native_rows: int | None = None, c_rows: int | None = None):
         self.linear, self.rows = linear, rows or slice(None)
         self.version = linear.weight._version
         self.weight = linear.weight.detach()[self.rows].contiguous()
         self.bias = None if linear.bias is None else linear.bias.detach()[self.rows].contiguous()
         self.packed, self.native, self.native_rows = packed, native, native_rows
-        # bf16 weights from BF16_MIN_ROWS rows, and below too where the bf16 C kernel serves them (`wide.native`)
-        self.wide = bf16_projection(self.weight, native=native) if bf16 else None
+        # bf16 weights from BF16_MIN_ROWS rows, and below too where the bf16 C kernel serves them (`wide.native`);
+        # with `c_rows` (AVX2) up to c_rows rows, by the bf16 C kernel only
+        self.wide = bf16_projection(self.weight, native=native, c_rows=c_rows) if bf16 else None
+        self.c_rows = c_rows if self.wide is not None and self.wide.native else None
+        if c_rows and self.c_rows is None:
+            self.wide = None  # no bf16 C kernel for this weight after all: the fp32 kernels serve every row
         # fp32 product: built now, as the target's are (not on the first proposal), unless bf16 serves every row
         self._projection = None if self.bf16_serves_all else self._fp32_projection()
 
     @property
     def bf16_serves_all(self) -> bool:
         """Whether the bf16 copy serves every row count, so that no inference call needs the fp32 product."""
-        return self.wide is not None and self.wide.native
+        return self.wide is not None and self.wide.native and not self.c_rows
+
+    def bf16_serves(self, rows: int) -> bool:
+        """Whether a product of ``rows`` rows reads the bf16 copy."""
+        if self.wide is None:
+            return False
+        return rows <= self.c_rows if self.c_rows else self.wide.native or rows >= BF16_MIN_ROWS
 
     @property
     def projection(self) -> Projection:
@@ -97,7 +125,7 @@ class FastLinear:
             w = self.linear.weight[self.rows]
             return nn.functional.linear(x, w, None if self.linear.bias is None else self.linear.bias[self.rows])
         flat = x.reshape(-1, x.shape[-1])
-        if self.wide is not None and (self.bf16_serves_all or flat.shape[0] >= BF16_MIN_ROWS):
+        if self.bf16_serves(flat.shape[0]):
             out = self.wide(flat.to(torch.bfloat16)).float()
             if self.bias is not None:
                 out += self.bias
@@ -117,10 +145,11 @@ def linear(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
     return fast(x) if fast is not None else getattr(module, name)(x)
 
 
-def attach(model: nn.Module, *, packed: bool, native: bool, bf16: bool = False, native_rows: int | None = None) -> int:
+def attach(model: nn.Module, *, packed: bool, native: bool, bf16: bool = False, native_rows: int | None = None,
+           c_rows: int | None = None) -> int:
     """Give every draft layer, the feature fusion and a Markov/RNN head's output projection an inference kernel
-    (`bf16`: bf16 weights from 3 rows up; `native_rows`: our C kernel's row limit, the target's measured one).
-    Returns how many projections got one (0 when no kernel is wanted)."""
+    (`bf16`: bf16 weights from 3 rows up, or up to `c_rows` rows by the bf16 C kernel only; `native_rows`: our fp32
+    C kernel's row limit, the target's measured one). Returns how many projections got one (0: none wanted)."""
     if not (packed or native or bf16):
         return 0
     count = 0
@@ -129,11 +158,11 @@ def attach(model: nn.Module, *, packed: bool, native: bool, bf16: bool = False, 
                                                                                    nn.Linear)]
         if not names:
             continue
-        fast = {n: FastLinear(getattr(module, n), packed=packed, native=native, bf16=bf16, native_rows=native_rows)
-                for n in names}
+        fast = {n: FastLinear(getattr(module, n), packed=packed, native=native, bf16=bf16, native_rows=native_rows,
+                              c_rows=c_rows) for n in names}
         if "qkv" in fast and hasattr(module, "heads"):  # the context K/V use only the k and v rows of qkv
             fast["kv"] = FastLinear(module.qkv, slice(module.heads * module.head_dim, None), packed=packed,
-                                    native=native, bf16=bf16, native_rows=native_rows)
+                                    native=native, bf16=bf16, native_rows=native_rows, c_rows=c_rows)
         module.__dict__["fast_linears"] = fast  # a plain attribute: not a submodule, never in the state dict
         count += len(fast)
     return count

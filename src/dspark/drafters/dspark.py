@@ -27,7 +27,7 @@ from .base import BatchFirstDrafter, DraftRequest, DrafterError, Proposal, regis
 from .dspark_checkpoint import load_calibration, load_drafter_model
 from .dspark_context import DraftContext
 from .dspark_model import DSparkModel
-from .draft_kernels import attach as attach_kernels, bf16_is_fast, few_rows_on_bf16_c
+from .draft_kernels import attach as attach_kernels, bf16_c_rows, bf16_is_fast, few_rows_on_bf16_c
 from .frozen_target import inference_head
 
 STATE_KEY = "dspark.context"
@@ -53,12 +53,15 @@ class DSparkDrafter(BatchFirstDrafter):
         self.name = model.arch.drafter_type
         packed = target.lm_head.packed is not None
         # bf16 products for the drafter only (its q; verification keeps the target's fp32): default where the CPU
-        # multiplies bf16 natively and the target runs on oneDNN (draft_kernels.py)
-        self.bf16 = (packed and bf16_is_fast()) if bf16 is None else bool(bf16)
-        self.draft_logits = inference_head(model, target, self.bf16)  # h [..., d] -> fp32 logits [..., Vd]
+        # multiplies bf16 natively and the target runs on oneDNN, or where our bf16 C kernel serves few rows (AVX2:
+        # then only up to c_rows rows) and the target runs our C kernels (draft_kernels.py)
+        c_rows = bf16_c_rows() if target.lm_head.native else None
+        self.bf16 = ((packed and bf16_is_fast()) or c_rows is not None) if bf16 is None else bool(bf16)
+        self.c_rows = c_rows if self.bf16 else None
+        self.draft_logits = inference_head(model, target, self.bf16, self.c_rows)  # h [.., d] -> logits [.., Vd]
         # the target's CPU kernels for the drafter's own projections too (draft_kernels.py)
         self.kernels = attach_kernels(model, packed=packed, native=target.lm_head.native, bf16=self.bf16,
-                                      native_rows=target.lm_head.native_rows)
+                                      native_rows=target.lm_head.native_rows, c_rows=self.c_rows)
         # its few-row products through the bf16 C kernel (session 46; draft_kernels.py): a price of its own
         self.bf16_c = few_rows_on_bf16_c(model)
 
@@ -68,6 +71,7 @@ class DSparkDrafter(BatchFirstDrafter):
         return (f"{a.drafter_type}-g{self.gamma}-L{a.num_layers}-{a.head}{a.rank}-v{self.model.draft_vocab_size}"
                 f"{'-conf' if a.confidence else ''}{'-k' if self.kernels else ''}"
                 f"{'-bf16' if self.bf16 else ''}{'c' if self.bf16_c else ''}"  # kernels and precision: its price
+                f"{f'c{self.c_rows}' if self.c_rows else ''}"
                 f"{markov_draws.price_tag(self.model)}")
 
     # ------------------------------------------------------------------------------------------------

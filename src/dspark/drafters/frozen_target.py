@@ -154,23 +154,25 @@ def _head_copy(lm_head: torch.Tensor, ids: torch.Tensor | None, dtype: torch.dty
         return rows.to(dtype or torch.float32)
 
 
-def inference_head(model: DraftVocabMixin, target, bf16: bool = False):
+def inference_head(model: DraftVocabMixin, target, bf16: bool = False, c_rows: int | None = None):
     """The drafter's LM head for inference: h [..., d] -> fp32 logits [..., Vd]. Without a draft vocabulary it is
     the target's own head; with one, the draft rows through the same kernel as the target's head (pre-packed
     oneDNN on CPU: plain fp32 `linear` on a few rows is 2-3x slower there, see models/layers.py).
     `bf16`: a bf16 copy of those rows with bf16 activations (fp32 accumulation) at every row count: the head is
-    bound by reading its weights, which takes half the time in bf16 (scripts/bf16_projection_cost.py)."""
+    bound by reading its weights, which takes half the time in bf16 (scripts/bf16_projection_cost.py); with
+    `c_rows` (AVX2, draft_kernels.bf16_c_rows) only up to c_rows rows, by the bf16 C kernel, above as without."""
     from ..models.layers import Projection
     from .draft_kernels import bf16_projection
 
     cap = target.config.final_logit_softcap
-    if model.vocab_ids is None and not bf16:
-        return lambda h: target.lm_logits(h.reshape(-1, h.shape[-1]).to(target.dtype)).view(*h.shape[:-1], -1)
     rows = target.lm_head.weight  # in the target's dtype: the head's products run there
     if model.vocab_ids is not None:
         rows = rows[model.vocab_ids.to(target.device)]  # [Vd, d]
-    if bf16:
+    few = bf16_projection(rows, c_rows=c_rows) if bf16 and c_rows else None  # [<= c_rows, d] -> [.., Vd] bf16
+    if bf16 and not c_rows:
         head, dtype = bf16_projection(rows), torch.bfloat16
+    elif model.vocab_ids is None:
+        head, dtype = None, target.dtype  # the target's head, softcap included
     else:
         head = Projection(rows.contiguous(), packed=target.lm_head.packed is not None, native=target.lm_head.native)
         head.native_rows = target.lm_head.native_rows  # the same kernel as the target's head for the same rows
@@ -178,8 +180,15 @@ def inference_head(model: DraftVocabMixin, target, bf16: bool = False):
         dtype = target.dtype
 
     def logits(h: torch.Tensor) -> torch.Tensor:
-        out = head(h.reshape(-1, h.shape[-1]).to(dtype)).float().view(*h.shape[:-1], -1)
+        flat = h.reshape(-1, h.shape[-1])
+        if few is not None and flat.shape[0] <= c_rows:
+            out = few(flat.to(torch.bfloat16)).float()
+        elif head is None:
+            return target.lm_logits(flat.to(dtype)).view(*h.shape[:-1], -1)
+        else:
+            out = head(flat.to(dtype)).float()
+        out = out.view(*h.shape[:-1], -1)
         return torch.tanh(out / cap) * cap if cap else out
 
-    logits.projection = head  # for benchmarks that switch its kernel (scripts/propose_cost.py --ab-native-rows)
+    logits.projection = head if few is None else few  # for benchmarks that switch its kernel (propose_cost.py)
     return logits

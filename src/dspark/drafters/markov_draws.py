@@ -42,14 +42,15 @@ def kernel():
     return fn
 
 
-def _product(head) -> tuple[torch.Tensor, object, bool] | None:
-    """(W2 as the C kernel reads it, that kernel, bf16?) where the torch path's W2 product is our C kernel."""
+def _product(head, rows: int = 1) -> tuple[torch.Tensor, object, bool] | None:
+    """(W2 as the C kernel reads it, that kernel, bf16?) where the torch path's W2 product of ``rows`` rows (the
+    requests drafted) is our C kernel."""
     fast = attached(head, "w2")
     if fast is None or fast.version != head.w2.weight._version:
         return None
-    if fast.wide is not None and fast.wide.native:  # bf16 weights, every row count (draft_kernels.FastLinear)
+    if fast.wide is not None and fast.wide.native and fast.bf16_serves(rows):  # bf16 C (draft_kernels.FastLinear)
         return fast.wide.weight, native.kernel_bf16(), True
-    if fast.wide is None and native.usable(fast.weight):
+    if (fast.wide is None or fast.c_rows) and native.usable(fast.weight):
         return fast.weight, native.kernel(), False
     return None
 
@@ -81,7 +82,7 @@ def draw_block(model, base: torch.Tensor, anchor_ids: torch.Tensor, requests,
     greedy) -> [R, g] drafted target ids. The caller checked `applies`."""
     R, g, vocab = base.shape
     head = model.head
-    w2, linear, bf16 = _product(head)
+    w2, linear, bf16 = _product(head, R)
     temperature = torch.tensor([float(r.params.temperature) for r in requests], dtype=torch.float32)
     u = torch.full((R, g), 0.5, dtype=torch.float64)
     for i, r in enumerate(requests):  # g uniforms a sampled request, from its own generator, in slot order
