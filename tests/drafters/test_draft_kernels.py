@@ -185,9 +185,8 @@ def test_bf16_products_of_few_rows_take_the_bf16_c_kernel_where_there_is_one(tar
 def test_bf16_is_on_by_default_only_where_a_bf16_kernel_is_fast(target):
     from dspark.drafters.dspark import DSparkDrafter
 
-    auto = DSparkDrafter(tiny_drafter(target).model, target, bf16=None)
-    assert auto.bf16 == ((target.lm_head.packed is not None and draft_kernels.bf16_is_fast())
-                         or (draft_kernels.bf16_c_rows() is not None and target.lm_head.native))  # AVX2: few rows
+    auto = DSparkDrafter(tiny_drafter(target).model, target, bf16=None)  # AVX2's few-row bf16: opt-in only
+    assert auto.bf16 == (target.lm_head.packed is not None and draft_kernels.bf16_is_fast()) and not auto.c_rows
     assert ("-bf16" in auto.profile_id) == auto.bf16
 
 

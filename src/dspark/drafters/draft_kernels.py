@@ -23,12 +23,15 @@ existed). The shipped drafter's weights are stored in bf16, so the copy is exact
 rounded; the Markov head's input, a row of its own bf16 table, is not rounded at all.
 
 Where our bf16 C kernel is the only fast bf16 product (AVX2 without AVX512-BF16: oneDNN emulates bf16 and torch
-packs no bf16 weights), `bf16=True` (the default there, `bf16_c_rows`) sends products of up to `BF16_C_ROWS` rows to
-it and larger ones to the fp32 kernels: on session 54's AMD EPYC it was faster than both fp32 kernels on every
+packs no bf16 weights), `bf16=True` (opt-in there: `--drafter dspark@bf16`; `bf16_c_rows`) sends products of up to
+`BF16_C_ROWS` rows to it and larger ones to the fp32 kernels: on session 54's AMD EPYC it was faster than both fp32 kernels on every
 drafter shape up to 8 rows but the K/V rows, a tie (draft LM head 3.33 -> 1.96 ms, Markov head 0.49 -> 0.23 ms at one
 row; 1.05-1.2x at 8), while at 16 rows fp32 oneDNN won the heads' products (scripts/bf16_projection_cost.py,
 results/bf16-projections-s54); a batch-1 proposal got 1.26-1.38x faster, two to eight requests 0.98-1.13x at depth 4-7
-(scripts/propose_cost.py --ab-bf16, results/drafter-bf16-avx2-s54).
+(scripts/propose_cost.py --ab-bf16, results/drafter-bf16-avx2-s54). It is not the default because a request's q
+then depends on its batch: the same request drafts from bf16 products alone and from fp32 ones beside seven
+others, a ~1e-2 logit difference that moves seeded draws (tests/test_calibrate_acceptance.py's batch-1 = batch-8
+rounds fail with it); on AVX512-BF16 both routes are bf16 and differ only in summation order.
 
 Either way the drafter's distribution q moves by float rounding (bf16: ~1e-2 in a logit), so a drafted token can
 differ from the reference path where its top two logits nearly tie. Verification uses the probabilities the
