@@ -46,13 +46,8 @@ def make_policy(name: str, *, confidence_available: bool = True, **kwargs):
     ``threshold=``. ``confidence_available=False`` (drafter without a confidence head) rejects policies that need
     confidences up front instead of at the first step. Options may follow the name, ``async:min_gain=0.01:
     probe_every=16`` (numbers; unknown names are refused), so a variant can be served or benchmarked by name."""
-    name, options = _split_options(name)
+    name, options = _resolve(name)
     kwargs = {**kwargs, **options}
-    m = re.fullmatch(r"fixed-(\d+)", name)
-    if m:
-        name, kwargs = "fixed", {**kwargs, "k": int(m.group(1))}
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(POLICIES)} (and fixed-<k>)")
     factory, needs, _ = POLICIES[name]
     if needs and not confidence_available:
         raise ConfidenceRequiredError(
@@ -70,13 +65,9 @@ def make_policy(name: str, *, confidence_available: bool = True, **kwargs):
 def check_spec(spec: str) -> None:
     """Refuse an unknown policy name or option before anything is loaded (``make_policy`` refuses them too, but
     only once the model, drafter and speed profile it needs exist). ``auto`` is accepted: the caller resolves it."""
-    name, options = _split_options(spec)
-    if re.fullmatch(r"fixed-(\d+)", name):
-        name, options = "fixed", {**options, "k": 0}
-    if name == "auto" and not options:
+    if spec == "auto":
         return
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(POLICIES)} (and fixed-<k>)")
+    name, options = _resolve(spec)
     target = AsyncPolicy if name == "async-online" else POLICIES[name][0]  # its factory forwards to AsyncPolicy
     parameters = inspect.signature(target).parameters
     if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
@@ -85,6 +76,17 @@ def check_spec(spec: str) -> None:
     if unknown:
         raise ValueError(f"unknown option(s) {', '.join(unknown)} for policy {name!r}; it takes: "
                          f"{', '.join(parameters) or 'no options'}")
+
+
+def _resolve(spec: str) -> tuple[str, dict[str, float | int]]:
+    """(registered name, options) of a spec: "fixed-3:x=1" -> ("fixed", {"x": 1, "k": 3}); unknown names refused."""
+    name, options = _split_options(spec)
+    m = re.fullmatch(r"fixed-(\d+)", name)
+    if m:
+        name, options = "fixed", {**options, "k": int(m.group(1))}
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(POLICIES)} (and fixed-<k>)")
+    return name, options
 
 
 def base_name(spec: str) -> str:
