@@ -92,22 +92,27 @@ def test_the_torch_loop_runs_where_the_kernel_does_not_apply(target):
         assert not markov_draws.applies(rnn.model, base, plain)
 
 
-def test_each_slot_is_drawn_from_the_distribution_it_hands_to_verification(target):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_each_slot_is_drawn_from_the_distribution_it_hands_to_verification(target, bf16):
     """8,000 draws of slot 1 for one context (rows alike, uniforms apart): the counts fit the stored row
-    (invariant 1; chi-square over its 24 likeliest tokens and the rest pooled, p > 0.001)."""
-    drafter = tiny_drafter(target, rank=8, block=4, head_scale=0.5)
+    (invariant 1; chi-square over its 24 likeliest tokens and the rest pooled, p > 0.001). bf16: calls of
+    BF16_C_ROWS requests, so that where only the bf16 C kernel is fast (AVX2) its W2 product is the one drawn."""
+    if bf16 and native.kernel_bf16() is None:
+        pytest.skip("no bf16 C kernel on this CPU")
+    drafter = tiny_drafter(target, rank=8, block=4, head_scale=0.5, bf16=bf16)
     request = observed(target, drafter, [SamplingParams(temperature=1.0)])[0]
     model = drafter.model
     assert model.vocab_ids is None
     counts, row = torch.zeros(VOCAB, dtype=torch.float64), None
-    for chunk in range(8):
-        reqs = [DraftRequest(tokens=request.tokens, params=request.params, generator=make_generator(1000 * chunk + i),
-                             state=request.state) for i in range(1000)]
-        base = torch.randn(1, 1, VOCAB, generator=torch.Generator().manual_seed(0)).expand(1000, 1, VOCAB)
-        probs = torch.empty(1000, 1, VOCAB)
+    size = BF16_C_ROWS if bf16 else 1000
+    for chunk in range(8000 // size):
+        reqs = [DraftRequest(tokens=request.tokens, params=request.params, generator=make_generator(size * chunk + i),
+                             state=request.state) for i in range(size)]
+        base = torch.randn(1, 1, VOCAB, generator=torch.Generator().manual_seed(0)).expand(size, 1, VOCAB)
+        probs = torch.empty(size, 1, VOCAB)
         with torch.inference_mode():
-            tokens = markov_draws.draw_block(model, base.contiguous(), torch.full((1000,), 7), reqs, probs)
-        assert torch.equal(probs[0, 0].expand(1000, VOCAB), probs[:, 0])  # the same row each time
+            tokens = markov_draws.draw_block(model, base.contiguous(), torch.full((size,), 7), reqs, probs)
+        assert torch.equal(probs[0, 0].expand(size, VOCAB), probs[:, 0])  # the same row each time
         row = probs[0, 0].double()
         counts += torch.bincount(tokens[:, 0], minlength=VOCAB).double()  # no draft vocabulary: ids are rows
     top = row.topk(24).indices
@@ -119,10 +124,17 @@ def test_each_slot_is_drawn_from_the_distribution_it_hands_to_verification(targe
     assert chisquare(observed_counts.numpy(), expected.numpy()).pvalue > 1e-3
 
 
-def test_greedy_speculation_through_the_kernel_equals_plain_decoding(target):
-    drafter = tiny_drafter(target, rank=8, block=4, head_scale=0.5)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_greedy_speculation_through_the_kernel_equals_plain_decoding(target, bf16):
+    if bf16 and native.kernel_bf16() is None:
+        pytest.skip("no bf16 C kernel on this CPU")
+    drafter = tiny_drafter(target, rank=8, block=4, head_scale=0.5, bf16=bf16)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, VOCAB - 1, (6,), generator=g).tolist() for _ in range(3)]
+    if bf16:  # seeded sampling repeats with the same seeds, one request at a time (the bf16 C kernel's rows)
+        sampled = [speculative(target, drafter, prompts[:1], SamplingParams(temperature=1.0), 12, seeds=[s])
+                   for s in (4, 4, 5)]
+        assert sampled[0] == sampled[1] != sampled[2]
     got = speculative(target, drafter, prompts, SamplingParams(temperature=0.0), 12, seeds=[0, 1, 2])
     for prompt, tokens in zip(prompts, got):
         cache, seq = target.new_cache(capacity=32), list(prompt)
