@@ -43,7 +43,7 @@ def instrument(drafter, target, times: dict) -> None:
     """Wrap the pieces of a round in timers (instance attributes and the modules' names the loop calls)."""
     model = drafter.model
     for obj, name, label in ((drafter, "propose", "propose"), (model, "draft_states", "  backbone"),
-                             (drafter, "draft_logits", "  LM head"), (drafter, "_sample_block", "  sample block"),
+                             (drafter, "draft_logits", "  LM head"), (drafter, "sample_block", "  sample block"),
                              (model.head, "step", "    Markov steps"), (model, "confidence_logits", "    confidence"),
                              (model, "to_full", "    to_full"), (model, "scatter_probs", "    scatter probs"),
                              (drafter, "_calibrate", "  calibrate"), (target, "forward", "target forward"),

@@ -57,13 +57,21 @@ class ConfidentDrafter(Drafter):
         R = len(requests)
         tokens, probs = torch.zeros(R, self.gamma, dtype=torch.long), torch.zeros(R, self.gamma, V)
         conf = torch.zeros(R, self.gamma)
-        for r, req in enumerate(requests):
-            prev = req.tokens[-1]
-            for k in range(self.gamma):
-                q = to_probs(self.table[prev], req.params)
-                conf[r, k] = self.conf[prev]  # depends on the token sampled at slot k-1
-                prev = int(sample_from(q[None], torch.rand(1, generator=req.generator, dtype=torch.float64))[0])
-                tokens[r, k], probs[r, k] = prev, q
+        # Batched over requests (one loop per request took 18 of a 47 s chi-square test at batch 512): each
+        # request's slots read its own processed table rows and its own generator's uniforms.
+        u = torch.stack([torch.rand(self.gamma, generator=req.generator, dtype=torch.float64) for req in requests])
+        groups: dict = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(req.params.processing, []).append(i)
+        q_table = torch.empty(R, V, V)  # [R, prev, V]: to_probs of every table row under each request's settings
+        for rows in groups.values():
+            q_table[rows] = to_probs(self.table, requests[rows[0]].params)
+        prev, every = torch.tensor([req.tokens[-1] for req in requests]), torch.arange(R)
+        for k in range(self.gamma):
+            q = q_table[every, prev]  # [R, V]
+            conf[:, k] = self.conf[prev]  # depends on the token sampled at slot k-1
+            prev = sample_from(q, u[:, k])
+            tokens[:, k], probs[:, k] = prev, q
         return Proposal(tokens=tokens, num_tokens=torch.full((R,), self.gamma), probs=probs, confidences=conf)
 
 

@@ -131,17 +131,18 @@ def in_loop_round(stats) -> dict:
 
 
 def head_latency(loaded, drafter, ids: list[int], repeats: int = 20) -> dict | None:
-    """Batch-1 cost of the sequential (and confidence) head: propose() with the heads against the same drafter
-    with them switched off (DFlash's compute), next to the target's verification forward of γ + 1 tokens."""
+    """Batch-1 cost of a proposal, part by part — the parallel backbone, the draft LM head, and the left-to-right
+    block draw (Markov head, sampling, confidence head) — each timed on its own, next to the target's verification
+    forward of γ + 1 tokens. The draw is timed directly rather than as propose() with the heads switched off: off,
+    the drafter samples in torch instead of the Markov draws' C kernel, and the difference came out negative
+    (session 54's bf16 drafter)."""
     import torch
 
     from ..drafters.base import DraftRequest
     from ..models import Segment
 
-    model = getattr(drafter, "model", None)
-    if model is None:
+    if getattr(drafter, "model", None) is None:
         return None  # model-free drafters (n-gram): nothing to split
-    has_heads = getattr(model, "head", None) is not None
     cache = loaded.model.new_cache()
     out = loaded.model.forward(torch.tensor(ids), [Segment(cache, 0, len(ids))],
                                logit_rows=torch.tensor([len(ids) - 1]), hidden_layers=drafter.needs_layers)
@@ -150,28 +151,24 @@ def head_latency(loaded, drafter, ids: list[int], repeats: int = 20) -> dict | N
     drafter.observe(request, out.hidden, len(ids))
 
     def timed(fn) -> float:
-        return median_seconds(fn, repeats) * 1000
+        with torch.inference_mode():  # as in propose(): the Markov draws' kernel serves only without autograd
+            return median_seconds(fn, repeats) * 1000
 
-    with_head = timed(lambda: drafter.propose([request]))
-    without = with_head
-    if has_heads:
-        head, conf = model.head, model.confidence
-        model.head = model.confidence = None
-        try:
-            without = timed(lambda: drafter.propose([request]))
-        finally:
-            model.head, model.confidence = head, conf
+    propose = timed(lambda: drafter.propose([request]))
     block = [request.tokens[-1]] * (drafter.gamma + 1)
     verify = timed(lambda: (cache.truncate(len(ids)), loaded.model.forward(
         torch.tensor(block), [Segment(cache, len(ids), len(block))], hidden_layers=drafter.needs_layers)))
-    rows = torch.randn(1, drafter.gamma, loaded.model.config.hidden_size)
-    # The drafter's LM head (its draft vocabulary, if any) on γ rows: one call for a parallel drafter, the sum
-    # of γ single-row calls for a chain (Eagle3) is about the same.
-    lm_head = timed(lambda: drafter.draft_logits(rows))
-    round_ms = with_head + verify
-    return {"propose_ms": with_head, "propose_without_heads_ms": without, "verify_forward_ms": verify,
-            "head_ms": with_head - without, "head_share_of_round": (with_head - without) / round_ms,
-            "lm_head_ms": lm_head, "backbone_and_sampling_ms": without - lm_head, "round_ms": round_ms}
+    row = {"propose_ms": propose, "verify_forward_ms": verify, "round_ms": propose + verify}
+    if not hasattr(drafter, "block_states"):  # a chain drafter (Eagle3): its LM head on γ rows, about γ calls' cost
+        rows = torch.randn(1, drafter.gamma, loaded.model.config.hidden_size)
+        return {**row, "lm_head_ms": timed(lambda: drafter.draft_logits(rows))}
+    with torch.inference_mode():
+        h, anchor = drafter.block_states([request])  # [1, γ, d]; [1]
+        base = drafter.draft_logits(h)  # [1, γ, Vd]
+    draw = timed(lambda: drafter.sample_block(h, base, anchor, [request]))
+    return {**row, "backbone_ms": timed(lambda: drafter.block_states([request])),
+            "lm_head_ms": timed(lambda: drafter.draft_logits(h)), "draw_ms": draw,
+            "draw_share_of_round": draw / (propose + verify)}
 
 
 def _tables(cfg: AcceptanceConfig, rows: list[dict]) -> str:
@@ -194,12 +191,14 @@ def _tables(cfg: AcceptanceConfig, rows: list[dict]) -> str:
                 ["drafter", "propose", "verify forward (γ+1)", "round", "ms per token"],
                 [[r["drafter"], r["head_latency"]["propose_ms"], r["head_latency"]["verify_forward_ms"],
                   r["head_latency"]["round_ms"], r["head_latency"]["round_ms"] / r["micro_tau"]] for r in lat])]
-            md += ["\nSequential head latency at batch 1 (median ms):\n", markdown_table(
-                ["drafter", "propose", "of which LM head", "backbone + sampling", "Markov + confidence heads",
-                 "verify forward (γ+1)", "head % of round"],
-                [[r["drafter"], *(r["head_latency"][k] for k in ("propose_ms", "lm_head_ms", "backbone_and_sampling_ms",
-                                                                  "head_ms", "verify_forward_ms")),
-                  f"{100 * r['head_latency']['head_share_of_round']:.1f}"] for r in lat])]
+            split = [r for r in lat if "draw_ms" in r["head_latency"]]
+            md += ["\nA proposal's parts at batch 1, each timed alone (median ms; the draw is the left-to-right "
+                   "part: Markov head, sampling, confidence head):\n", markdown_table(
+                       ["drafter", "propose", "backbone", "LM head", "block draw", "verify forward (γ+1)",
+                        "draw % of round"],
+                       [[r["drafter"], *(r["head_latency"][k] for k in ("propose_ms", "backbone_ms", "lm_head_ms",
+                                                                        "draw_ms", "verify_forward_ms")),
+                         f"{100 * r['head_latency']['draw_share_of_round']:.1f}"] for r in split])] if split else []
         speed = [r for r in these if "speed" in r]
         if speed:
             md += ["\nBatch-1 speed against plain decoding (median tok/s):\n", markdown_table(

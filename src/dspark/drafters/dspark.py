@@ -119,25 +119,31 @@ class DSparkDrafter(BatchFirstDrafter):
     # ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], depth: int | None = None) -> DSparkProposal:
-        ctxs = [self.context(r) for r in requests]
-        for r, c in zip(requests, ctxs):
-            if c.length != len(r.tokens) - 1:
-                raise DrafterError(f"the request has {len(r.tokens) - 1} committed tokens but the drafter observed "
-                                   f"{c.length}: call drafter.observe() after every target forward")
-        R = len(requests)
-        anchors = torch.tensor([c.length for c in ctxs])  # [R] anchor positions
-        anchor_ids = torch.tensor([r.tokens[-1] for r in requests])  # [R]
-        ctx_kv, visible = DraftContext.batch(ctxs, anchors)  # per layer [R, T, kvH, hd]; [R, 1, T]
-        g = self.slots(depth)  # the backbone still sees the whole block: slot k's state does not depend on g
-        h = self.model.draft_states(anchor_ids, anchors, ctx_kv, visible, keep=g)  # [R, g, d]
-        tokens, probs, conf = self._sample_block(h, self.draft_logits(h), anchor_ids, requests)
+        h, anchor_ids = self.block_states(requests, depth)
+        R, g = h.shape[:2]
+        tokens, probs, conf = self.sample_block(h, self.draft_logits(h), anchor_ids, requests)
         vocab = self.model.draft_vocab() if probs is not None and probs.device.type == "cpu" else None
         if probs is not None and vocab is None:
             probs = self.model.scatter_probs(probs)
         return DSparkProposal(tokens=tokens, num_tokens=torch.full((R,), g), probs=probs, vocab=vocab,
                               confidences=self._calibrate(conf), confidence_logits=conf)
 
-    def _sample_block(self, h: torch.Tensor, base: torch.Tensor, prev: torch.Tensor, requests):
+    @torch.inference_mode()
+    def block_states(self, requests: list[DraftRequest], depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parallel backbone's part of a proposal: each request's block states h [R, g, d] (g = the slots
+        drafted) and its anchor token ids [R]."""
+        ctxs = [self.context(r) for r in requests]
+        for r, c in zip(requests, ctxs):
+            if c.length != len(r.tokens) - 1:
+                raise DrafterError(f"the request has {len(r.tokens) - 1} committed tokens but the drafter observed "
+                                   f"{c.length}: call drafter.observe() after every target forward")
+        anchors = torch.tensor([c.length for c in ctxs])  # [R] anchor positions
+        anchor_ids = torch.tensor([r.tokens[-1] for r in requests])  # [R]
+        ctx_kv, visible = DraftContext.batch(ctxs, anchors)  # per layer [R, T, kvH, hd]; [R, 1, T]
+        g = self.slots(depth)  # the backbone still sees the whole block: slot k's state does not depend on g
+        return self.model.draft_states(anchor_ids, anchors, ctx_kv, visible, keep=g), anchor_ids  # [R, g, d]; [R]
+
+    def sample_block(self, h: torch.Tensor, base: torch.Tensor, prev: torch.Tensor, requests):
         """Left to right: slot k's logits = U_k + head bias(x_{k−1}), x_{k−1} the token actually drawn.
         h: [R, γ, d]; base: [R, γ, Vd] -> tokens [R, γ], probs [R, γ, Vd] fp32 over the draft vocabulary (None
         when every request is greedy), confidence logits [R, γ]."""

@@ -1,6 +1,6 @@
 """A DSpark block's left-to-right Markov-head draws in one C call (decoding/native_sample.c: dspark_markov_draws).
 
-Why: the torch loop of `DSparkDrafter._sample_block` makes ~9 calls a slot (the W1 row, its bf16 copy, the W2
+Why: the torch loop of `DSparkDrafter.sample_block` makes ~9 calls a slot (the W1 row, its bf16 copy, the W2
 product, the add, the draw, the draft-vocabulary map, ...), 60-70 a block, and right after a target forward each
 small torch call costs 20-80 µs on the Intel dev CPU (results/post-forward-ops-s48): Markov steps, draws and the
 map took 0.9 ms of a batch-1 round at T = 0, 1.4 ms at T = 1 (results/round-phases-s46). The kernel runs the same
