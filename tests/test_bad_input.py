@@ -95,6 +95,9 @@ def test_unknown_drafter_lists_valid_names(tmp_path):
     (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "No such file"),
     (["generate", "--prompt", "x", "--policy", "fixed-three"], "unknown policy"),
     (["generate", "--prompt", "x", "--drafter", "ngram", "--policy", "async"], "needs a drafter with a confidence"),
+    (["bench", "acceptance", "--limit", "0"], "--limit"),  # was a ZeroDivisionError after the model loaded
+    (["bench", "acceptance", "--temperatures", "-1"], "temperatures >= 0"),
+    (["bench", "runtime", "--per-set", "0"], "--per-set"),
 ])
 def test_cli_reports_bad_input_in_one_line(argv, message, capsys):
     assert main(argv) == 2
@@ -170,3 +173,27 @@ def test_a_fully_accepted_last_round_stays_inside_the_context(prompt_len):
     while not req.finished:
         engine.step()
     assert req.output == plain  # the engine's room rule, the same
+
+
+def test_an_option_a_drafter_does_not_take_is_named():
+    with pytest.raises(DrafterError, match="'ngram' drafter takes no option 'calibration'; it takes gamma"):
+        make_drafter("ngram", calibration=False)
+
+
+def test_calibrate_names_malformed_prompt_lines_before_loading(tmp_path, monkeypatch):
+    import dspark.calibrate as calibrate
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["one"]}\n{"turns": \n' + "".join(f'{{"turns": ["q{i}"]}}\n' for i in range(5)))
+    monkeypatch.setattr(calibrate, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    with pytest.raises(ValueError, match="line 2: .*use --skip-bad"):
+        calibrate._roll_out(calibrate.CalibrateConfig(drafter="dspark", prompts=str(prompts)))
+    assert calibrate.read_turns(str(prompts), 0, 10, skip_bad=True) == ["one"] + [f"q{i}" for i in range(5)]
+
+
+def test_calibrate_refuses_a_drafter_without_confidences_in_one_line(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"turns": ["q{i}"]}}\n' for i in range(4)))
+    assert main(["calibrate", "--drafter", "ngram", "--prompts", str(prompts)]) == 2  # was a TypeError
+    err = "\n".join(ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("[dspark] "))
+    assert err.startswith("error:") and "no confidence head" in err and "\n" not in err

@@ -39,13 +39,15 @@ class CalibrateConfig:
     out: Path = Path("results/calibration")
     shift: bool = True  # also fit a per-position shift (False: the paper's temperature-only STS)
     from_rollouts: Path | None = None  # refit from a saved rollouts.npz instead of running the models
+    skip_bad: bool = False  # skip malformed prompt lines instead of failing
 
 
-def read_turns(path: str, skip: int, limit: int) -> list[str]:
-    """First user turns of a prompt file ({"turns": [...]}, {"messages": [...]} or {"prompt": ...})."""
+def read_turns(path: str, skip: int, limit: int, skip_bad: bool = False) -> list[str]:
+    """First user turns of a prompt file ({"turns": [...]}, {"messages": [...]} or {"prompt": ...}); malformed
+    lines are an error naming them unless ``skip_bad`` (as in `dspark datagen`)."""
     from .training.conversations import read_prompts
 
-    records, _ = read_prompts(path, skip_bad=True, limit=skip + limit)
+    records, _ = read_prompts(path, skip_bad=skip_bad, limit=skip + limit)
     return [r.turns[0] for r in records[skip:]]
 
 
@@ -108,14 +110,15 @@ def load_rollouts(path: Path):
 def _roll_out(cfg: CalibrateConfig):
     from .drafters import make_drafter
 
+    texts = read_turns(cfg.prompts, cfg.skip, cfg.limit, cfg.skip_bad)  # reported before the model loads
+    if len(texts) < 4:
+        raise ValueError(f"{cfg.prompts}: {len(texts)} usable prompts after --skip {cfg.skip}; need at least 4")
     loaded = load_model(cfg.model)
-    drafter = make_drafter(cfg.drafter, target=loaded.model, calibration=False)
+    drafter = make_drafter(cfg.drafter, target=loaded.model)
     if drafter is None or not drafter.has_confidence:
         raise ValueError(f"{cfg.drafter} has no confidence head: nothing to calibrate (DFlash/n-gram drafters "
                          f"work with the fixed-K policies only)")
-    texts = read_turns(cfg.prompts, cfg.skip, cfg.limit)
-    if len(texts) < 4:
-        raise ValueError(f"{cfg.prompts}: {len(texts)} usable prompts after --skip {cfg.skip}; need at least 4")
+    drafter.calibration = None  # fit on the raw confidences, not through a calibration saved with it
     fit, held = split_halves(rollouts(loaded, drafter, texts, cfg))
     save_rollouts(cfg.out / "rollouts.npz", fit, held, len(texts))
     return fit, held, len(texts)

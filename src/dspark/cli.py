@@ -316,6 +316,7 @@ def add_calibrate(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--limit", type=int, default=200, help="prompts to roll out")
     p.add_argument("--skip", type=int, default=0, help="skip the first N prompts of the file")
+    p.add_argument("--skip-bad", action="store_true", help="skip malformed prompt lines instead of failing")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
@@ -336,7 +337,7 @@ def run_calibrate(args) -> int:
     run(CalibrateConfig(drafter=args.drafter, prompts=args.prompts or "", model=args.model, limit=args.limit,
                         skip=args.skip, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                         batch=args.batch, seed=args.seed, out=args.out, shift=not args.no_shift,
-                        from_rollouts=args.from_rollouts))
+                        from_rollouts=args.from_rollouts, skip_bad=args.skip_bad))
     return 0
 
 

@@ -42,6 +42,13 @@ class AcceptanceConfig:
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, not {self.dtype!r}")
+        if min(self.per_set, self.gamma, self.max_new_tokens, self.batch) < 1 or self.speed_prompts < 0:
+            raise ValueError(f"bench acceptance needs --limit, --gamma, --max-new-tokens and --batch >= 1 and "
+                             f"--speed-prompts >= 0 (got {self.per_set}, {self.gamma}, {self.max_new_tokens}, "
+                             f"{self.batch}, {self.speed_prompts})")
+        if not self.drafters or not self.sets or not self.temperatures or min(self.temperatures) < 0:
+            raise ValueError(f"bench acceptance needs at least one drafter, set and temperature, temperatures >= 0 "
+                             f"(got {self.drafters}, {self.sets}, {self.temperatures})")
 
 
 def round_records(engine_requests) -> list[tuple[int, int]]:
@@ -237,8 +244,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def run(cfg: AcceptanceConfig) -> dict:
+    texts = load_bench_prompts(cfg.sets, cfg.per_set)  # a missing set is reported before the model loads
     loaded = load_model(cfg.model, dtype=cfg.dtype)
-    texts = load_bench_prompts(cfg.sets, cfg.per_set)
     prompts = [(s, prompt_ids(loaded.tokenizer, text, True)) for s, text in texts]
     speed_set = [p for s in cfg.sets for p in [q for q in prompts if q[0] == s][:cfg.speed_prompts]]
     rows = []

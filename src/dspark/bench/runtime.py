@@ -40,6 +40,13 @@ class RuntimeBenchConfig:
     hf: bool = True
     out: Path = field(default=Path("results/runtime"))
 
+    def __post_init__(self):
+        if self.per_set < 1 or self.max_new_tokens < 1 or not self.sets or not self.temperatures \
+                or min(self.temperatures) < 0:
+            raise ValueError(f"bench runtime needs --per-set and --max-new-tokens >= 1 and at least one set and "
+                             f"temperature >= 0 (got {self.per_set}, {self.max_new_tokens}, {self.sets}, "
+                             f"{self.temperatures})")
+
 
 def _ours(target, drafter, ids, temperature, max_new, eos, seed) -> dict:
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new, seed=seed)

@@ -6,6 +6,7 @@ drawn from (invariant 1), or None when it proposes deterministically (a point ma
 """
 from __future__ import annotations
 
+import inspect
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -150,6 +151,19 @@ def split_precision(spec: str) -> tuple[str, dict]:
     return name, {"bf16": PRECISIONS[suffix]}
 
 
+def _check_options(spec: str, factory, options: dict) -> None:
+    """An option the drafter does not take is bad input, not a TypeError from deep inside (`dspark calibrate
+    --drafter ngram` passed calibration=False to the n-gram drafter)."""
+    params = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return  # a loader that hands its options on checks them there
+    unknown = sorted(set(options) - set(params))
+    if unknown:
+        takes = [n for n in params if n != "target"]
+        raise DrafterError(f"the {spec!r} drafter takes no option {', '.join(map(repr, unknown))}; it takes "
+                           f"{', '.join(takes) or 'none'}")
+
+
 def make_drafter(spec: str, target=None, gamma: int | None = None, **options) -> Drafter | None:
     """`none`, a registered name, or a directory holding a trained drafter (config.json names its type); either
     may end in ``@fp32``, ``@bf16`` or ``@auto`` for a DSpark/DFlash drafter's product precision."""
@@ -165,6 +179,7 @@ def make_drafter(spec: str, target=None, gamma: int | None = None, **options) ->
         options = {**options, **precision}
     if spec in _REGISTRY:
         kwargs = dict(options) if gamma is None else {**options, "gamma": gamma}
+        _check_options(spec, _REGISTRY[spec], kwargs)
         return _REGISTRY[spec](target=target, **kwargs)
     path = Path(spec).expanduser()
     if not path.exists():
