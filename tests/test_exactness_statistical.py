@@ -53,6 +53,13 @@ class TableDrafter(Drafter):
         self.kind, self.target = kind, target
         g = torch.Generator().manual_seed(7)
         self.noise = torch.randn(V, V, generator=g) * 2
+        self._q: dict = {}  # (prev, position, processing) -> q: to_probs ran 3 times a proposal, 20,000 proposals
+
+    def q(self, prev: int, position: int, params: SamplingParams) -> torch.Tensor:
+        key = (prev, position, params.processing)
+        if key not in self._q:
+            self._q[key] = to_probs(self.draft_logits(prev, position), params)
+        return self._q[key]
 
     def draft_logits(self, prev: int, position: int) -> torch.Tensor:
         if self.kind == "uniform":
@@ -69,7 +76,7 @@ class TableDrafter(Drafter):
         prev, pos = req.tokens[-1], len(req.tokens) - 1
         tokens, probs = torch.zeros(1, GAMMA, dtype=torch.long), torch.zeros(1, GAMMA, V)
         for k in range(GAMMA):
-            q = to_probs(self.draft_logits(prev, pos + k), req.params)
+            q = self.q(prev, pos + k, req.params)
             if self.kind == "point":  # deterministic draft of a poor token: q is a point mass
                 tok = int(self.target.logits_after(prev, pos + k).argsort()[1])
             else:
