@@ -20,7 +20,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is an entity: `in` and `remove` on the queues compare identities, not prompts
 class Request:
     prompt: list[int]
     params: SamplingParams
