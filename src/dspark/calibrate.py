@@ -109,16 +109,19 @@ def load_rollouts(path: Path):
 
 def _roll_out(cfg: CalibrateConfig):
     from .drafters import make_drafter
+    from .drafters.base import unknown_options
 
     texts = read_turns(cfg.prompts, cfg.skip, cfg.limit, cfg.skip_bad)  # reported before the model loads
     if len(texts) < 4:
         raise ValueError(f"{cfg.prompts}: {len(texts)} usable prompts after --skip {cfg.skip}; need at least 4")
     loaded = load_model(cfg.model)
-    drafter = make_drafter(cfg.drafter, target=loaded.model)
+    # Raw confidences, and no calibration.json read at all (calibrate is how a stale or broken one is replaced);
+    # a drafter that takes no such option (n-gram) has no confidence head, refused just below.
+    skip_saved = {} if unknown_options(cfg.drafter, ["calibration"]) else {"calibration": False}
+    drafter = make_drafter(cfg.drafter, target=loaded.model, **skip_saved)
     if drafter is None or not drafter.has_confidence:
         raise ValueError(f"{cfg.drafter} has no confidence head: nothing to calibrate (DFlash/n-gram drafters "
                          f"work with the fixed-K policies only)")
-    drafter.calibration = None  # fit on the raw confidences, not through a calibration saved with it
     fit, held = split_halves(rollouts(loaded, drafter, texts, cfg))
     save_rollouts(cfg.out / "rollouts.npz", fit, held, len(texts))
     return fit, held, len(texts)

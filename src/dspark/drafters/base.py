@@ -151,17 +151,16 @@ def split_precision(spec: str) -> tuple[str, dict]:
     return name, {"bf16": PRECISIONS[suffix]}
 
 
-def _check_options(spec: str, factory, options: dict) -> None:
-    """An option the drafter does not take is bad input, not a TypeError from deep inside (`dspark calibrate
-    --drafter ngram` passed calibration=False to the n-gram drafter)."""
+def unknown_options(spec: str, options) -> list[str]:
+    """Which of ``options`` (names) the drafter ``spec`` does not take: a registered drafter's factory says by its
+    signature; a checkpoint's loader, or a factory that hands its options on, checks them itself (none here)."""
+    factory = _REGISTRY.get(split_precision(spec)[0]) if spec else None
+    if factory is None:
+        return []
     params = inspect.signature(factory).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return  # a loader that hands its options on checks them there
-    unknown = sorted(set(options) - set(params))
-    if unknown:
-        takes = [n for n in params if n != "target"]
-        raise DrafterError(f"the {spec!r} drafter takes no option {', '.join(map(repr, unknown))}; it takes "
-                           f"{', '.join(takes) or 'none'}")
+        return []
+    return sorted(set(options) - set(params))
 
 
 def make_drafter(spec: str, target=None, gamma: int | None = None, **options) -> Drafter | None:
@@ -179,7 +178,11 @@ def make_drafter(spec: str, target=None, gamma: int | None = None, **options) ->
         options = {**options, **precision}
     if spec in _REGISTRY:
         kwargs = dict(options) if gamma is None else {**options, "gamma": gamma}
-        _check_options(spec, _REGISTRY[spec], kwargs)
+        unknown = unknown_options(spec, kwargs)
+        if unknown:  # bad input, not a TypeError from deep inside the drafter's constructor
+            takes = [n for n in inspect.signature(_REGISTRY[spec]).parameters if n != "target"]
+            raise DrafterError(f"the {spec!r} drafter takes no option {', '.join(map(repr, unknown))}; it takes "
+                               f"{', '.join(takes) or 'none'}")
         return _REGISTRY[spec](target=target, **kwargs)
     path = Path(spec).expanduser()
     if not path.exists():

@@ -24,8 +24,8 @@ rounded; the Markov head's input, a row of its own bf16 table, is not rounded at
 
 Where our bf16 C kernel is the only fast bf16 product (AVX2 without AVX512-BF16: oneDNN emulates bf16 and torch
 packs no bf16 weights), `bf16=True` (opt-in there: `--drafter dspark@bf16`; `bf16_c_rows`) sends products of up to
-`BF16_C_ROWS` rows to it and larger ones to the fp32 kernels: on session 54's AMD EPYC it was faster than both fp32 kernels on every
-drafter shape up to 8 rows but the K/V rows, a tie (draft LM head 3.33 -> 1.96 ms, Markov head 0.49 -> 0.23 ms at one
+`BF16_C_ROWS` rows to it and larger ones to the fp32 kernels: on session 54's AMD EPYC it was faster than both fp32
+kernels on every drafter shape up to 8 rows but the K/V rows, a tie (draft LM head 3.33 -> 1.96 ms, Markov head 0.49 -> 0.23 ms at one
 row; 1.05-1.2x at 8), while at 16 rows fp32 oneDNN won the heads' products (scripts/bf16_projection_cost.py,
 results/bf16-projections-s54); a batch-1 proposal got 1.26-1.38x faster, two to eight requests 0.98-1.13x at depth 4-7
 (scripts/propose_cost.py --ab-bf16, results/drafter-bf16-avx2-s54). It is not the default because a request's q

@@ -55,7 +55,7 @@ class DSparkDrafter(BatchFirstDrafter):
         # bf16 products for the drafter only (its q; verification keeps the target's fp32): default where the CPU
         # multiplies bf16 natively and the target runs on oneDNN. Asked for where only our bf16 C kernel is fast
         # (AVX2), up to c_rows rows: opt-in, since a request's q then depends on how many rows share its products
-        # (fp32 above c_rows), so its seeded drafts on the batch (draft_kernels.py)
+        # (fp32 above c_rows), and so do its seeded drafts (draft_kernels.py)
         self.bf16 = (packed and bf16_is_fast()) if bf16 is None else bool(bf16)
         self.c_rows = (bf16_c_rows() if target.lm_head.native else None) if self.bf16 else None
         self.draft_logits = inference_head(model, target, self.bf16, self.c_rows)  # h [.., d] -> logits [.., Vd]
